@@ -1,0 +1,209 @@
+"""Resolving `in_axes`/`out_axes` specs to one `int | None` per leaf, with checks."""
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from ._custom_types import AxisSpec, ResolvedAxisSpec
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def is_array(x: Any) -> bool:
+    """JAX and NumPy arrays and NumPy scalars: the leaves that can be mapped."""
+    return eqx.is_array(x)
+
+
+def describe(argname: str, path: tuple[Any, ...]) -> str:
+    """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`.
+
+    Inputs live in a tree `(args, kwargs)`, so their first key picks the name.
+    """
+    if argname == "in_axes" and path:
+        head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
+        return head + jtu.keystr(tuple(path[1:]))
+    return argname + jtu.keystr(tuple(path))
+
+
+def _resolve_leaf(spec: AxisSpec, leaf: Any, where: str) -> ResolvedAxisSpec:
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
+        return spec
+    if isinstance(spec, bool):
+        # `jax.vmap` raises `TypeError` for a bool axis; keep the same class.
+        raise TypeError(
+            f"An axis spec must be an `int`, `None` or a callable, got {spec!r} for "
+            f"`{where}`. Booleans are not axes."
+        )
+    if not callable(spec):
+        raise ValueError(
+            "`in_axes` and `out_axes` must consist of None, ints, and callables only; "
+            f"got {spec!r} for `{where}`."
+        )
+    axis = spec(leaf)
+    if axis is None or (isinstance(axis, int) and not isinstance(axis, bool)):
+        return axis
+    raise TypeError(
+        f"The axis spec {spec!r} returned {axis!r} for `{where}`; a callable axis spec "
+        "must return an `int` or `None`."
+    )
+
+
+def check_spec(spec: PyTree[AxisSpec], argname: str) -> None:
+    """Checks, when the transform is built, that a spec holds only valid leaves."""
+    if isinstance(spec, dict) and argname == "in_axes":
+        spec = tuple(spec.values())
+    for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=_is_none):
+        if leaf is None or callable(leaf):
+            continue
+        if isinstance(leaf, bool):
+            raise TypeError(
+                f"`{argname}` must consist of `None`, ints and callables, got the "
+                f"bool {leaf!r} at `{argname}{jtu.keystr(path)}`. Booleans are not "
+                "axes."
+            )
+        if not isinstance(leaf, int):
+            raise ValueError(
+                f"`in_axes` and `out_axes` must consist of None, ints, and callables "
+                f"only; got {leaf!r} at `{argname}{jtu.keystr(path)}`."
+            )
+
+
+def resolve_axes(
+    tree: PyTree[Any], spec: PyTree[AxisSpec], argname: str
+) -> PyTree[ResolvedAxisSpec]:
+    """Evaluates the prefix `spec` on every leaf of `tree`, as `eqx.filter_vmap`."""
+    try:
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+    except ValueError as e:
+        raise ValueError(
+            f"`{argname}` must be a PyTree prefix of the structure it describes, "
+            f"got {spec!r}. JAX reported: {e}"
+        ) from None
+
+    def _subtree(prefix: tuple[Any, ...], s: AxisSpec, subtree: Any) -> Any:
+        def _leaf(path: tuple[Any, ...], leaf: Any) -> ResolvedAxisSpec:
+            return _resolve_leaf(s, leaf, describe(argname, prefix + path))
+
+        return jtu.tree_map_with_path(_leaf, subtree)
+
+    return jtu.tree_map_with_path(_subtree, spec, tree, is_leaf=_is_none)
+
+
+def normalise_in_axes(
+    tree: PyTree[Any], axes: PyTree[ResolvedAxisSpec], argname: str
+) -> PyTree[ResolvedAxisSpec]:
+    """Checks that every mapped leaf is an array with that axis; makes axes >= 0."""
+
+    def _check(path: tuple[Any, ...], axis: ResolvedAxisSpec, leaf: Any) -> Any:
+        if axis is None:
+            return None
+        where = describe(argname, path)
+        if isinstance(leaf, bool | int | float | complex):
+            # `jax.vmap` raises `ValueError` for a mapped Python scalar (rank 0).
+            raise ValueError(
+                f"`{where}` is the Python scalar {leaf!r}, which has no axis "
+                f"{axis} to map over. Mark it unmapped with `None` (or use "
+                "`eqx.if_array`), or pass an array with a batch axis."
+            )
+        if not is_array(leaf):
+            raise TypeError(
+                f"`{where}` is {type(leaf).__name__} object {leaf!r}, which is "
+                f"not an array, but its axis spec is {axis}. Only arrays can be "
+                "mapped: mark it `None` (or use `eqx.if_array(...)`)."
+            )
+        ndim = np.ndim(leaf)
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"`{where}` has shape {tuple(np.shape(leaf))}, so axis {axis} is out "
+                f"of range: a mapped axis must be in [-{ndim}, {ndim}). A rank-0 "
+                "array cannot be mapped; mark it `None` to broadcast it."
+            )
+        return axis % ndim
+
+    return jtu.tree_map_with_path(_check, axes, tree, is_leaf=_is_none)
+
+
+def batch_size_of(
+    tree: PyTree[Any],
+    axes: PyTree[ResolvedAxisSpec],
+    axis_size: int | None,
+    api: str,
+) -> int | None:
+    """The common size of all mapped axes; `None` if nothing is mapped."""
+    flat_axes = jtu.tree_leaves_with_path(axes)
+    leaves = {path: leaf for path, leaf in jtu.tree_leaves_with_path(tree)}
+    sizes = {
+        describe("in_axes", path): int(np.shape(leaves[path])[axis])
+        for path, axis in flat_axes
+    }
+    distinct = set(sizes.values())
+    if axis_size is not None:
+        distinct.add(axis_size)
+    if len(distinct) > 1:
+        listed = ", ".join(f"`{p}`: {s}" for p, s in sizes.items())
+        extra = f" and `axis_size={axis_size}`" if axis_size is not None else ""
+        raise ValueError(
+            f"`{api}` got inconsistent sizes along the mapped axes: {listed}{extra}. "
+            "Every leaf with a non-`None` `in_axes` must have the same batch size; "
+            "use `in_axes=None` for leaves that should be broadcast."
+        )
+    return distinct.pop() if distinct else None
+
+
+def bind_arguments(
+    fun: Callable[..., Any],
+    in_axes: PyTree[AxisSpec],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    default: AxisSpec,
+    api: str,
+) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """Binds keyword arguments to `fun`'s signature and builds the matching spec.
+
+    Arguments that can be passed positionally become positional, so
+    `f(x, y=y)` is `f(x, y)`. A dict `in_axes` names parameters, whether passed by
+    position or keyword; otherwise a tuple `in_axes` covers the positional
+    arguments and the remaining keyword arguments get `default`, and a single spec
+    covers everything.
+    """
+    try:
+        signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is not None and kwargs:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass  # let `fun` raise its own error when called
+        else:
+            args, kwargs = bound.args, bound.kwargs
+    if isinstance(in_axes, dict):
+        names = [] if signature is None else list(signature.parameters)
+        unknown = [k for k in in_axes if k not in names and k not in kwargs]
+        if unknown:
+            raise ValueError(
+                f"The following `in_axes` did not correspond to any argument of "
+                f"`{api}`'s function: {tuple(unknown)}. A dict `in_axes` maps "
+                f"parameter names to axis specs; the parameters are {tuple(names)}."
+            )
+        positional = names[: len(args)]
+        unpassed = [k for k in in_axes if k not in positional and k not in kwargs]
+        if unpassed:
+            raise ValueError(
+                f"The following `in_axes` did not correspond to any argument: "
+                f"{tuple(unpassed)}. A parameter named in a dict `in_axes` must be "
+                "passed explicitly (its default value is not mapped)."
+            )
+        arg_axes = tuple(in_axes.get(name, default) for name in positional)
+        kwarg_axes = {k: in_axes.get(k, default) for k in kwargs}
+        return args, kwargs, (arg_axes, kwarg_axes)
+    if isinstance(in_axes, tuple | list):
+        return args, kwargs, (in_axes, {k: default for k in kwargs})
+    return args, kwargs, in_axes

@@ -1,0 +1,316 @@
+import functools as ft
+import re
+from collections.abc import Callable, Hashable
+from typing import Any, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from beartype import beartype
+from equinox.internal import Static
+from jaxtyping import jaxtyped, PyTree
+
+from ._axes import (
+    batch_size_of,
+    bind_arguments,
+    check_spec,
+    describe,
+    is_array,
+    normalise_in_axes,
+    resolve_axes,
+)
+from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
+from ._collectives import collectives_over
+from ._custom_types import AxisSpec, Remainder, REMAINDERS, sentinel
+
+
+_API = "filter_chunked_vmap"
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _split_output(out: PyTree[Any], out_axes: PyTree[AxisSpec]) -> tuple[Any, ...]:
+    """Splits `fun`'s output into mapped arrays, unmapped arrays, and the rest."""
+    axes = resolve_axes(out, out_axes, "out_axes")
+
+    def _check(path: tuple[Any, ...], axis: int | None, leaf: Any) -> int | None:
+        if axis is None:
+            return None
+        where = describe("output", path)
+        if not is_array(leaf):
+            raise TypeError(
+                f"`{where}` is {type(leaf).__name__} object {leaf!r}, which is not an "
+                f"array, but its `out_axes` is {axis}. Only arrays can be mapped: "
+                "give it `None` (or use `eqx.if_array(...)`)."
+            )
+        ndim = np.ndim(leaf) + 1
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"`out_axes` gives axis {axis} for `{where}`, whose mapped shape has "
+                f"rank {ndim}: axis {axis} is out of bounds for array of dimension "
+                f"{ndim}. Use an axis in [-{ndim}, {ndim})."
+            )
+        return axis % ndim
+
+    axes = jtu.tree_map_with_path(_check, axes, out, is_leaf=_is_none)
+    is_unmapped = jtu.tree_map(_is_none, axes, is_leaf=_is_none)
+    unmapped, mapped = eqx.partition(out, is_unmapped, is_leaf=_is_none)
+    unmapped_arrays, unmapped_static = eqx.partition(unmapped, is_array)
+    return mapped, unmapped_arrays, Static((unmapped_static, axes))
+
+
+class _ChunkedVmapWrapper(eqx.Module):
+    _fun: Callable[..., Any]
+    _in_axes: PyTree[AxisSpec]
+    _out_axes: PyTree[AxisSpec]
+    _chunk_size: int | None
+    _axis_name: Hashable | None
+    _axis_size: int | None
+    _remainder: str
+    _checkpoint: CheckpointSpec
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs, spec = bind_arguments(
+            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
+        )
+        tree = (args, kwargs)
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+        chunked = (
+            batch_size is not None
+            and self._chunk_size is not None
+            and self._chunk_size < batch_size
+        )
+        if chunked and _compile_eagerly(self, tree):
+            # An eager `lax.scan` recompiles on every call; `filter_jit` caches it.
+            return _eager_call(self, tree, spec)
+        return self._call(tree, spec)
+
+    def _call(self, tree: Any, spec: Any) -> Any:
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+        is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
+        static, mapped = eqx.partition(tree, is_unmapped)
+
+        def _element(_mapped: Any) -> tuple[Any, ...]:
+            _args, _kwargs = eqx.combine(_mapped, static)
+            return _split_output(self._fun(*_args, **_kwargs), self._out_axes)
+
+        if batch_size is None:
+            out_mapped, out_unmapped, out_static = _element(mapped)
+            if jtu.tree_leaves(out_mapped):
+                raise ValueError(
+                    "Cannot resolve batch dimension. Non-`None` `out_axes` requires "
+                    "either `in_axes` or `axis_size` to be not `None`."
+                )
+            return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
+        chunk_fn = ft.partial(_chunk_fn, _element, in_axes, self._axis_name)
+        chunk_size = self._chunk_size
+        if chunk_size is None or chunk_size >= batch_size:
+            out = chunk_fn(mapped, batch_size)
+        else:
+            self._check_collectives(_element, mapped, in_axes, chunk_size, batch_size)
+            out = run_in_chunks(
+                chunk_fn,
+                mapped,
+                in_axes,
+                batch_size=batch_size,
+                chunk_size=chunk_size,
+                remainder=self._remainder,
+                checkpoint=self._checkpoint,
+            )
+        return eqx.combine(out.batched, out.unbatched, out.static)
+
+    def _check_collectives(
+        self,
+        element: Callable[..., Any],
+        mapped: Any,
+        in_axes: Any,
+        chunk_size: int,
+        batch_size: int,
+    ) -> None:
+        if self._axis_name is None:
+            return
+        structs = jtu.tree_map(_element_struct, in_axes, mapped)
+        arrays = lambda m: eqx.filter(element(m)[:2], is_array)  # noqa: E731
+        found = collectives_over(arrays, structs, self._axis_name, chunk_size)
+        if found:
+            num_steps = -(-batch_size // chunk_size)
+            raise ValueError(
+                f"`{_API}(..., axis_name={self._axis_name!r})`: the function uses the "
+                f"collective(s) {', '.join(f'`{c}`' for c in found)} over "
+                f"{self._axis_name!r}, but the batch of {batch_size} is split into "
+                f"{num_steps} chunks of `chunk_size={chunk_size}`, so it would only "
+                "see one chunk at a time. Either use `chunk_size=None` (or at least "
+                "the batch size), or move the collective out of the mapped function "
+                "(for example, reduce the mapped output afterwards)."
+            )
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
+    shape = list(np.shape(x))
+    del shape[axis]
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.asarray(x).dtype)
+
+
+def _chunk_fn(
+    element: Callable[..., Any],
+    in_axes: Any,
+    axis_name: Hashable | None,
+    mapped: Any,
+    size: int,
+) -> ChunkOutput:
+    """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes."""
+    vmapped = jax.vmap(
+        element,
+        in_axes=(in_axes,),
+        out_axes=(0, None, None),
+        axis_name=axis_name,
+        axis_size=size,
+    )
+    try:
+        out_mapped, out_unmapped, static = vmapped(mapped)
+    except ValueError as e:
+        if "but output was batched" not in str(e):
+            raise
+        match = re.search(r"out_axes\[1\](\S*),", str(e))
+        where = f"`{describe('output', ())}{match.group(1)}`" if match else "an output"
+        raise ValueError(
+            f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
+            "over the batch. An output marked `None` must not depend on the mapped "
+            "inputs; give it an integer out axis to map it instead."
+        ) from None
+    out_static, out_axes = static.value
+    axes = tuple(jtu.tree_leaves(out_axes))
+    moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
+    out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
+    return ChunkOutput(out_mapped, axes, out_unmapped, out_static)
+
+
+def _is_traced(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
+
+
+def _compile_eagerly(wrapper: _ChunkedVmapWrapper, tree: Any) -> bool:
+    if _is_traced((wrapper, tree)):
+        return False
+    static = eqx.filter((wrapper, tree), is_array, inverse=True)
+    try:
+        hash(tuple(jtu.tree_leaves(static)))
+    except TypeError:
+        return False  # `filter_jit` needs hashable static leaves: run op by op
+    return True
+
+
+@eqx.filter_jit
+def _eager_call(wrapper: _ChunkedVmapWrapper, tree: Any, spec: Any) -> Any:
+    return wrapper._call(tree, spec)
+
+
+@overload
+def filter_chunked_vmap(
+    *,
+    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
+    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
+    chunk_size: int | None = None,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_chunked_vmap(
+    fun: Callable[..., Any],
+    *,
+    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
+    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
+    chunk_size: int | None = None,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]: ...
+
+
+@jaxtyped(typechecker=beartype)
+def filter_chunked_vmap(
+    fun: Callable[..., Any] = sentinel,
+    *,
+    in_axes: PyTree[Any] = eqx.if_array(0),
+    out_axes: PyTree[Any] = eqx.if_array(0),
+    chunk_size: int | None = None,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
+    remainder: str = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]:
+    """DOCSTRING"""
+    if fun is sentinel:
+        return ft.partial(
+            filter_chunked_vmap,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            chunk_size=chunk_size,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            remainder=remainder,
+            checkpoint=checkpoint,
+        )
+    _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
+    wrapper = _ChunkedVmapWrapper(
+        _fun=fun,
+        _in_axes=in_axes,
+        _out_axes=out_axes,
+        _chunk_size=chunk_size,
+        _axis_name=axis_name,
+        _axis_size=axis_size,
+        _remainder=remainder,
+        _checkpoint=checkpoint,
+    )
+    return eqx.module_update_wrapper(wrapper)
+
+
+def _check_arguments(
+    in_axes: Any,
+    out_axes: Any,
+    chunk_size: int | None,
+    axis_size: int | None,
+    remainder: str,
+) -> None:
+    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(
+            f"`{_API}(..., chunk_size=...)` must be a positive integer or `None`, "
+            f"got {chunk_size!r}."
+        )
+    if axis_size is not None and (isinstance(axis_size, bool) or axis_size < 0):
+        raise ValueError(
+            f"`{_API}(..., axis_size=...)` must be a non-negative integer or `None`, "
+            f"got {axis_size!r}."
+        )
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"`{_API}(..., remainder=...)` must be one of {REMAINDERS}, got "
+            f"{remainder!r}."
+        )
+    check_spec(in_axes, "in_axes")
+    check_spec(out_axes, "out_axes")
