@@ -5,6 +5,7 @@ from typing import Any, overload
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -267,7 +268,7 @@ def filter_chunked_vmap(
     """DOCSTRING"""
     if fun is sentinel:
         return ft.partial(
-            filter_chunked_vmap,
+            filter_chunked_vmap,  # pyright: ignore[reportCallIssue]
             in_axes=in_axes,
             out_axes=out_axes,
             chunk_size=chunk_size,

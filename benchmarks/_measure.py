@@ -1,0 +1,69 @@
+"""Measurement primitives shared by every benchmark script.
+
+Memory comes from XLA's compiled `memory_analysis()` (deterministic); time is the
+median of several steady-state runs after a warm-up; compile time is the wall time
+of `lower(...).compile()`. Peak RSS is the process high-water mark, so it is only
+meaningful for the first, largest workload of a process.
+"""
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What XLA says a jitted function needs, and how long compiling it took."""
+
+    temp_bytes: int
+    output_bytes: int
+    argument_bytes: int
+    compile_seconds: float
+    executable: Any
+
+    @property
+    def temp_plus_output(self) -> int:
+        return self.temp_bytes + self.output_bytes
+
+
+def compile_fn(fn: Callable[..., Any], *args: Any) -> Compiled:
+    """Compiles `jax.jit(fn)` for `args` and reads its memory analysis."""
+    lowered = jax.jit(fn).lower(*args)
+    start = time.perf_counter()
+    executable = lowered.compile()
+    seconds = time.perf_counter() - start
+    analysis = executable.memory_analysis()
+    return Compiled(
+        temp_bytes=int(analysis.temp_size_in_bytes),
+        output_bytes=int(analysis.output_size_in_bytes),
+        argument_bytes=int(analysis.argument_size_in_bytes),
+        compile_seconds=seconds,
+        executable=executable,
+    )
+
+
+def median_seconds(
+    fn: Callable[..., Any], *args: Any, warmup: int = 2, repeats: int = 7
+) -> float:
+    """Median wall time of `fn(*args)`, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
