@@ -265,7 +265,87 @@ def filter_chunked_vmap(
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
 ) -> Callable[..., Any]:
-    """DOCSTRING"""
+    """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
+    the batch `chunk_size` elements at a time to bound peak memory.
+
+    The batch is split into chunks of `chunk_size` elements; one `jax.lax.scan`
+    runs `jax.vmap(fun)` on each chunk and writes its outputs into preallocated
+    arrays. Peak memory is then the outputs plus one chunk's working set, instead of
+    the whole batch's working set. Wherever `chunk_size` does not matter, the result
+    is exactly that of `equinox.filter_vmap`: same values, shapes, dtypes, PyTree
+    structure, and the same exception class for bad input.
+
+    **Arguments:**
+
+    - `fun`: a pure function to vectorise. It is never mapped itself: a Module or a
+        bound method passed as `fun` is closed over.
+    - `in_axes`: keyword-only. As for `equinox.filter_vmap`: a PyTree prefix of the
+        positional arguments whose leaves are ints (negative allowed), `None`, or
+        callables `leaf -> int | None` (such as `equinox.if_array(1)`); or a dict
+        mapping parameter names to such specs. Defaults to `equinox.if_array(0)`: map
+        every JAX/NumPy array along its leading axis and broadcast everything else.
+    - `out_axes`: keyword-only. As for `equinox.filter_vmap`: where the mapped axis
+        appears in each output. An array output marked `None` must not vary
+        over the batch; it is returned once. Defaults to `equinox.if_array(0)`.
+    - `chunk_size`: keyword-only. The number of batch elements evaluated together.
+        `None` (the default), or any value at least the batch size, evaluates the
+        whole batch in one `vmap`, exactly as `equinox.filter_vmap`.
+    - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
+        `jax.lax.psum`. When the batch is split into more than one chunk, a
+        collective over this axis would only see one chunk, so it raises a
+        `ValueError` instead of computing a per-chunk result.
+    - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
+    - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
+        elements. `"overlap"` (the default) runs `ceil(batch_size / chunk_size)`
+        steps of one loop, the last starting at `batch_size - chunk_size`, so it
+        recomputes fewer than `chunk_size` elements but needs no second working set
+        and traces `fun` once. `"separate"` evaluates the remainder in a second
+        `vmap` after the loop: no recomputation, but a second trace of `fun` and,
+        measured, up to twice the memory.
+    - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
+        gradients need one chunk's residuals rather than every chunk's: `True` (the
+        default), `False`, or a policy from `jax.checkpoint_policies` choosing which
+        residuals to save. It has no effect on evaluation without differentiation.
+
+    **Returns:**
+
+    A function with the signature of `fun`, returning what `equinox.filter_vmap`
+    would. Keyword arguments are accepted at call time (Equinox does not accept
+    them): they are bound to `fun`'s signature first, so `f(x, y=y)` is `f(x, y)`.
+    A dict `in_axes` names parameters however they are passed; with a tuple
+    `in_axes`, the keyword arguments that cannot be passed positionally get
+    `equinox.if_array(0)`; a single spec covers every argument.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        def pairwise(x, y):
+            return jnp.exp(-jnp.sum((x - y) ** 2, axis=-1))
+
+        queries = jnp.linspace(0.0, 1.0, 1000).reshape(500, 2)
+        references = jnp.linspace(0.0, 1.0, 4000).reshape(2000, 2)
+
+        # Each of the 500 queries against all references, 64 queries at a time.
+        kernel = fc.filter_chunked_vmap(pairwise, in_axes=(0, None), chunk_size=64)
+        out = kernel(queries[:, None, :], references)
+        assert out.shape == (500, 2000)
+        assert jnp.allclose(out, eqx.filter_vmap(pairwise, in_axes=(0, None))(
+            queries[:, None, :], references
+        ))
+        ```
+
+    !!! tip
+
+        Outside `jax.jit`, a chunked call (one that splits the batch) compiles itself
+        with `equinox.filter_jit`, since a `lax.scan` run op by op would recompile
+        on every call. As under `jit`, array arguments then reach `fun` as tracers.
+
+    [eqx-filter-vmap]: https://docs.kidger.site/equinox/api/transformations/#equinox.filter_vmap
+    """
     if fun is sentinel:
         return ft.partial(
             filter_chunked_vmap,  # pyright: ignore[reportCallIssue]
