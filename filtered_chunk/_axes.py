@@ -55,10 +55,10 @@ def _resolve_leaf(spec: AxisSpec, leaf: Any, where: str) -> ResolvedAxisSpec:
     )
 
 
-def check_spec(spec: PyTree[AxisSpec], argname: str) -> None:
+def check_spec(spec: PyTree[Any], argname: str) -> None:
     """Checks, when the transform is built, that a spec holds only valid leaves."""
-    if isinstance(spec, dict) and argname == "in_axes":
-        spec = tuple(spec.values())
+    # `spec` is the user's, still unchecked: annotated `Any` so that a runtime type
+    # checker leaves the (value) error to this function.
     for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=_is_none):
         if leaf is None or callable(leaf):
             continue
@@ -75,6 +75,14 @@ def check_spec(spec: PyTree[AxisSpec], argname: str) -> None:
             )
 
 
+def _is_prefix(spec: PyTree[Any], tree: PyTree[Any]) -> bool:
+    try:
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+    except ValueError:
+        return False
+    return True
+
+
 def resolve_axes(
     tree: PyTree[Any], spec: PyTree[AxisSpec], argname: str
 ) -> PyTree[ResolvedAxisSpec]:
@@ -82,9 +90,15 @@ def resolve_axes(
     try:
         jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
     except ValueError as e:
+        shown, target = spec, "the output" if argname == "out_axes" else "the inputs"
+        if argname == "in_axes" and isinstance(spec, tuple) and len(spec) == 2:
+            # Built by `bind_arguments` as `(args, kwargs)`: show what was written.
+            bad_args = not _is_prefix(spec[0], tree[0])
+            shown = spec[0] if bad_args else spec[1]
+            target = "the positional arguments" if bad_args else "the keyword arguments"
         raise ValueError(
-            f"`{argname}` must be a PyTree prefix of the structure it describes, "
-            f"got {spec!r}. JAX reported: {e}"
+            f"`{argname}` must be a PyTree prefix of {target}, got {shown!r}. JAX "
+            f"reported: {e}"
         ) from None
 
     def _subtree(prefix: tuple[Any, ...], s: AxisSpec, subtree: Any) -> Any:
@@ -105,7 +119,7 @@ def normalise_in_axes(
         if axis is None:
             return None
         where = describe(argname, path)
-        if isinstance(leaf, bool | int | float | complex):
+        if isinstance(leaf, bool | int | float | complex) and not is_array(leaf):
             # `jax.vmap` raises `ValueError` for a mapped Python scalar (rank 0).
             raise ValueError(
                 f"`{where}` is the Python scalar {leaf!r}, which has no axis "
@@ -119,11 +133,16 @@ def normalise_in_axes(
                 "mapped: mark it `None` (or use `eqx.if_array(...)`)."
             )
         ndim = np.ndim(leaf)
+        if ndim == 0:
+            raise ValueError(
+                f"`{where}` is a rank-0 array, which has no axis {axis} to map over. "
+                "Mark it unmapped with `None` (or use `eqx.if_array`), or pass an "
+                "array with a batch axis."
+            )
         if not -ndim <= axis < ndim:
             raise ValueError(
                 f"`{where}` has shape {tuple(np.shape(leaf))}, so axis {axis} is out "
-                f"of range: a mapped axis must be in [-{ndim}, {ndim}). A rank-0 "
-                "array cannot be mapped; mark it `None` to broadcast it."
+                f"of range: a mapped axis must be in [-{ndim}, {ndim})."
             )
         return axis % ndim
 
@@ -155,6 +174,17 @@ def batch_size_of(
             "use `in_axes=None` for leaves that should be broadcast."
         )
     return distinct.pop() if distinct else None
+
+
+def _positional_names(signature: inspect.Signature | None, num_args: int) -> list[str]:
+    """The parameter name of each positional argument; `*args` names all extras."""
+    if signature is None:
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = signature.parameters.values()
+    names = [p.name for p in params if p.kind in kinds]
+    var = [p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL]
+    return (names + var * max(num_args - len(names), 0))[:num_args]
 
 
 def bind_arguments(
@@ -193,7 +223,7 @@ def bind_arguments(
                 f"`{api}`'s function: {tuple(unknown)}. A dict `in_axes` maps "
                 f"parameter names to axis specs; the parameters are {tuple(names)}."
             )
-        positional = names[: len(args)]
+        positional = _positional_names(signature, len(args))
         unpassed = [k for k in in_axes if k not in positional and k not in kwargs]
         if unpassed:
             raise ValueError(

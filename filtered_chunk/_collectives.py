@@ -37,6 +37,23 @@ def collectives_over(
     axis_name: Hashable,
     axis_size: int,
 ) -> list[str]:
-    """The names of the collectives over `axis_name` that `fun(element)` performs."""
-    jaxpr = jax.make_jaxpr(fun, axis_env=[(axis_name, axis_size)])(element)
-    return sorted(set(_find(jaxpr.jaxpr, axis_name)))
+    """The names of the collectives over `axis_name` that `fun(element)` performs.
+
+    `lax.axis_size` (and `lax.psum` of a constant) reads the size of the axis when
+    tracing and leaves no collective in the jaxpr; it shows as `"axis_size"` when the
+    jaxpr changes with that size.
+    """
+    trace = lambda size: jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(element)
+    jaxpr = trace(axis_size)
+    found = set(_find(jaxpr.jaxpr, axis_name))
+    if not found and _depends_on_size(trace, str(jaxpr), axis_size + 1):
+        found.add("axis_size")
+    return sorted(found)
+
+
+def _depends_on_size(trace: Callable[[int], Any], jaxpr: str, other: int) -> bool:
+    try:
+        # Printed jaxprs are deterministic: function addresses are masked.
+        return str(trace(other)) != jaxpr
+    except Exception:  # any failure at another size depends on the size
+        return True

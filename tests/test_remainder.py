@@ -1,0 +1,68 @@
+"""Batches that `chunk_size` does not divide, in both `remainder` modes."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import filtered_chunk as fc
+
+from .helpers import tree_allclose
+
+
+def _boundary_sizes(chunk_size: int) -> tuple[int, ...]:
+    k = chunk_size
+    return (k - 1, k, k + 1, 2 * k, 2 * k + 1)
+
+
+@pytest.mark.parametrize(
+    "chunk_size,batch_size",
+    [(k, n) for k in (2, 3) for n in _boundary_sizes(k)],
+)
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_boundary_sizes(chunk_size, batch_size, remainder, getkey):
+    x = jr.normal(getkey(), (2, batch_size))
+    w = jr.normal(getkey(), (2,))
+
+    def f(x, w):
+        return {"y": jnp.sin(x) * w, "w": w.sum(), "name": "f"}
+
+    kwargs: dict[str, Any] = dict(
+        in_axes=(1, None), out_axes={"y": 1, "w": None, "name": None}
+    )
+    expected = eqx.filter_vmap(f, **kwargs)(x, w)
+    actual = fc.filter_chunked_vmap(
+        f, chunk_size=chunk_size, remainder=remainder, **kwargs
+    )(x, w)
+    assert tree_allclose(actual, expected)
+
+
+@pytest.mark.parametrize("batch_size", (4, 5, 7))
+def test_modes_agree(batch_size, getkey):
+    x = jr.normal(getkey(), (batch_size, 3))
+    f = lambda x: (jnp.cumsum(x), jnp.linalg.norm(x))
+    overlap = fc.filter_chunked_vmap(f, chunk_size=3, remainder="overlap")(x)
+    separate = fc.filter_chunked_vmap(f, chunk_size=3, remainder="separate")(x)
+    assert tree_allclose(overlap, separate)
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_remainder_is_not_padded(remainder, getkey):
+    # Zero-padding the remainder would give `log(0)` in the forward pass and a NaN
+    # in the gradient with respect to `w`, even though the outputs are sliced off.
+    x = jr.uniform(getkey(), (7,), minval=1.0, maxval=2.0)
+    w = jnp.array(1.5)
+
+    def loss(w, vmap):
+        return vmap(lambda x, w: jnp.log(w * x), in_axes=(0, None))(x, w).sum()
+
+    chunked = lambda f, in_axes: fc.filter_chunked_vmap(
+        f, in_axes=in_axes, chunk_size=3, remainder=remainder
+    )
+    expected = jax.value_and_grad(loss)(w, eqx.filter_vmap)
+    actual = jax.value_and_grad(loss)(w, chunked)
+    assert tree_allclose(actual, expected)
+    assert jnp.isfinite(actual[1])

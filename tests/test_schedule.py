@@ -1,0 +1,76 @@
+"""The compiled schedule: one scan over the chunks, and how often `fun` is traced."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import filtered_chunk as fc
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+                yield v.jaxpr
+
+
+def _eqns(jaxpr, *, into_scans):
+    """Every equation of `jaxpr`, recursively; optionally not inside scans."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name != "scan" or into_scans:
+            for sub in _subjaxprs(eqn):
+                yield from _eqns(sub, into_scans=into_scans)
+
+
+def _schedule(batch_size, chunk_size, remainder):
+    f = lambda x: jnp.sin(x) * 2.0
+    chunked = fc.filter_chunked_vmap(f, chunk_size=chunk_size, remainder=remainder)
+    jaxpr = jax.make_jaxpr(chunked)(jnp.ones((batch_size, 3))).jaxpr
+    scans = [e for e in _eqns(jaxpr, into_scans=True) if e.primitive.name == "scan"]
+    outside = [e for e in _eqns(jaxpr, into_scans=False) if e.primitive.name == "sin"]
+    return [e.params["length"] for e in scans], len(outside)
+
+
+@pytest.mark.parametrize(
+    "batch_size,chunk_size", ((6, 3), (7, 3), (8, 3), (9, 2), (5, 4), (2, 1))
+)
+def test_overlap_is_one_scan(batch_size, chunk_size):
+    lengths, outside = _schedule(batch_size, chunk_size, "overlap")
+    assert lengths == [-(-batch_size // chunk_size)]
+    assert outside == 0
+
+
+@pytest.mark.parametrize(
+    "batch_size,chunk_size", ((6, 3), (7, 3), (8, 3), (9, 2), (5, 4), (2, 1))
+)
+def test_separate_remainder_path(batch_size, chunk_size):
+    lengths, outside = _schedule(batch_size, chunk_size, "separate")
+    assert lengths == [batch_size // chunk_size]
+    assert outside == (1 if batch_size % chunk_size else 0)
+
+
+@pytest.mark.parametrize("chunk_size", (None, 5, 8))
+def test_no_scan_without_chunking(chunk_size):
+    lengths, outside = _schedule(5, chunk_size, "overlap")
+    assert lengths == []
+    assert outside == 1
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_traces_do_not_grow_with_batch_size(remainder):
+    counts = []
+    for batch_size in (7, 70, 701):
+        traces = []
+
+        def f(x):
+            traces.append(None)
+            return jnp.cos(x)
+
+        chunked = fc.filter_chunked_vmap(f, chunk_size=3, remainder=remainder)
+        jax.make_jaxpr(chunked)(jnp.ones((batch_size, 2)))
+        counts.append(len(traces))
+    assert counts[0] == counts[1] == counts[2]
+    assert counts[0] <= 3
