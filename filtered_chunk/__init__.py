@@ -1,6 +1,15 @@
 import importlib.metadata
 
+from ._apply import filter_chunked_apply as filter_chunked_apply
 from ._chunked_vmap import filter_chunked_vmap as filter_chunked_vmap
+from ._filter_jacobian import (
+    filter_chunked_jacfwd as filter_chunked_jacfwd,
+    filter_chunked_jacrev as filter_chunked_jacrev,
+)
+from ._jacobian import (
+    chunked_jacfwd as chunked_jacfwd,
+    chunked_jacrev as chunked_jacrev,
+)
 
 
 __version__ = importlib.metadata.version("filtered_chunk")

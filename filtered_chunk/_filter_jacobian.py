@@ -1,0 +1,232 @@
+"""`filter_chunked_jacrev` and `filter_chunked_jacfwd`: chunked Jacobians with
+respect to the floating-point arrays of the first argument, as Equinox's."""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any, overload
+
+import equinox as eqx
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+from ._chunking import CheckpointSpec
+from ._custom_types import Remainder, sentinel
+from ._jacobian import check_arguments, Jacobian, Options
+
+
+class _FilterJacobian(eqx.Module):
+    """As `equinox.filter_jacrev`/`filter_jacfwd`: the Jacobian with respect to the
+    floating-point arrays of the first argument."""
+
+    _fun: Callable[..., Any]
+    _options: Options
+    _rev: bool
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._fun
+
+    def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
+        diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
+        has_aux = self._options.has_aux
+
+        def _fun(_diff_x: Any) -> tuple[Any, Any]:
+            _out = self._fun(eqx.combine(_diff_x, static_x), *args, **kwargs)
+            return _out if has_aux else (_out, None)
+
+        options = eqx.tree_at(lambda o: o.has_aux, self._options, True)
+        jac, aux = Jacobian(_fun, options, self._rev)(diff_x)
+        return (jac, aux) if has_aux else jac
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def _build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
+    check_arguments(options.chunk_size, options.remainder, options.api)
+    return eqx.module_update_wrapper(_FilterJacobian(fun, options, rev))
+
+
+@overload
+def filter_chunked_jacrev(
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_chunked_jacrev(
+    fun: Callable[..., Any],
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]: ...
+
+
+@jaxtyped(typechecker=beartype)
+def filter_chunked_jacrev(
+    fun: Callable[..., Any] = sentinel,
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: str = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]:
+    """As `equinox.filter_jacrev`, with the Jacobian built `chunk_size` rows at a
+    time: see [`filtered_chunk.chunked_jacrev`][].
+
+    The Jacobian is taken with respect to the floating-point arrays of the first
+    argument (for example the parameters of an `equinox.Module`); its other leaves
+    get `None`. The remaining arguments are passed through.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate, returning real arrays.
+    - `chunk_size`: keyword-only. The number of rows (elements of the flattened
+        output) computed per step; `None` (the default) computes them all at once.
+    - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
+    - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
+        default) or `"separate"`.
+    - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
+        each chunk when the Jacobian is itself differentiated in reverse mode.
+        `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+
+    **Returns:**
+
+    A function with the signature of `fun`, returning what `equinox.filter_jacrev`
+    would.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import filtered_chunk as fc
+
+        model = eqx.nn.Linear(3, 100, key=jr.key(0))
+        x = jnp.ones(3)
+        jacobian = fc.filter_chunked_jacrev(lambda m, x: m(x), chunk_size=32)(model, x)
+        assert jacobian.weight.shape == (100, 100, 3)
+        expected = eqx.filter_jacrev(lambda m, x: m(x))(model, x)
+        assert jnp.allclose(jacobian.weight, expected.weight)
+        ```
+    """
+    if fun is sentinel:
+        return ft.partial(
+            filter_chunked_jacrev,  # pyright: ignore[reportCallIssue]
+            chunk_size=chunk_size,
+            has_aux=has_aux,
+            remainder=remainder,
+            checkpoint=checkpoint,
+        )
+    options = Options(
+        0,
+        has_aux,
+        False,
+        False,
+        chunk_size,
+        remainder,
+        checkpoint,
+        "filter_chunked_jacrev",
+    )
+    return _build(fun, options, rev=True)
+
+
+@overload
+def filter_chunked_jacfwd(
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_chunked_jacfwd(
+    fun: Callable[..., Any],
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]: ...
+
+
+@jaxtyped(typechecker=beartype)
+def filter_chunked_jacfwd(
+    fun: Callable[..., Any] = sentinel,
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+    remainder: str = "overlap",
+    checkpoint: CheckpointSpec = True,
+) -> Callable[..., Any]:
+    """As `equinox.filter_jacfwd`, with the Jacobian built `chunk_size` columns at
+    a time: see [`filtered_chunk.chunked_jacfwd`][].
+
+    The Jacobian is taken with respect to the floating-point arrays of the first
+    argument (for example the parameters of an `equinox.Module`); its other leaves
+    get `None`. The remaining arguments are passed through.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate.
+    - `chunk_size`: keyword-only. The number of columns (elements of the flattened
+        floating-point arrays of the first argument) computed per step; `None` (the
+        default) computes them all at once.
+    - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
+    - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
+        default) or `"separate"`.
+    - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
+        each chunk when the Jacobian is itself differentiated in reverse mode.
+        `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+
+    **Returns:**
+
+    A function with the signature of `fun`, returning what `equinox.filter_jacfwd`
+    would.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import filtered_chunk as fc
+
+        model = eqx.nn.Linear(30, 2, key=jr.key(0))
+        x = jnp.ones(30)
+        jacobian = fc.filter_chunked_jacfwd(lambda m, x: m(x), chunk_size=16)(model, x)
+        expected = eqx.filter_jacfwd(lambda m, x: m(x))(model, x)
+        assert jnp.allclose(jacobian.weight, expected.weight)
+        ```
+    """
+    if fun is sentinel:
+        return ft.partial(
+            filter_chunked_jacfwd,  # pyright: ignore[reportCallIssue]
+            chunk_size=chunk_size,
+            has_aux=has_aux,
+            remainder=remainder,
+            checkpoint=checkpoint,
+        )
+    options = Options(
+        0,
+        has_aux,
+        False,
+        False,
+        chunk_size,
+        remainder,
+        checkpoint,
+        "filter_chunked_jacfwd",
+    )
+    return _build(fun, options, rev=False)

@@ -1,0 +1,253 @@
+"""Derivatives through `filter_chunked_vmap` against `eqx.filter_vmap`'s, and their
+memory: rematerialised chunks, linear reverse mode, accumulated parameter
+cotangents."""
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import pytest
+
+import filtered_chunk as fc
+
+from .helpers import tree_allclose
+
+
+CHUNK = 3
+BATCH_SIZES = (0, 1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1)
+CHECKPOINTS: tuple[Any, ...] = (
+    True,
+    False,
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+)
+
+
+def _f(params, x):
+    """Per element: two outputs, one with out axis 1, and one unmapped output."""
+    w, b = params
+    h = jnp.tanh(x @ w + b)
+    return {"h": h, "s": jnp.sum(jnp.sin(h) * x[:2])}, jnp.sum(w**2)
+
+
+_AXES: dict[str, Any] = dict(in_axes=(None, 0), out_axes=({"h": 1, "s": 0}, None))
+
+
+def _maps(chunk_size, remainder: Any = "overlap", checkpoint: Any = True):
+    chunked = fc.filter_chunked_vmap(
+        _f, chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, **_AXES
+    )
+    return chunked, eqx.filter_vmap(_f, **_AXES)
+
+
+def _inputs(getkey, batch_size):
+    w, b = jr.normal(getkey(), (3, 2)), jr.normal(getkey(), (2,))
+    return (w, b), jr.normal(getkey(), (batch_size, 3))
+
+
+def _loss(vmapped, cotangent):
+    def _scalar(params, x):
+        out = vmapped(params, x)
+        return sum(jnp.vdot(o, c) for o, c in zip(jtu.tree_leaves(out), cotangent))
+
+    return _scalar
+
+
+def _cotangent(getkey, out):
+    return [jr.normal(getkey(), o.shape, o.dtype) for o in jtu.tree_leaves(out)]
+
+
+@pytest.mark.parametrize("batch_size", BATCH_SIZES)
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "chunk_size, checkpoint", [(CHUNK, c) for c in CHECKPOINTS] + [(8, True)]
+)
+def test_grad_matches_filter_vmap(
+    batch_size, chunk_size, remainder, checkpoint, getkey
+):
+    params, x = _inputs(getkey, batch_size)
+    chunked, oracle = _maps(chunk_size, remainder, checkpoint)
+    cotangent = _cotangent(getkey, oracle(params, x))
+    grad = jax.grad(_loss(chunked, cotangent), argnums=(0, 1))(params, x)
+    expected = jax.grad(_loss(oracle, cotangent), argnums=(0, 1))(params, x)
+    assert tree_allclose(grad, expected)
+
+
+@pytest.mark.parametrize("batch_size", (1, CHUNK + 1, 2 * CHUNK + 1))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_vjp_and_jvp_match_filter_vmap(batch_size, remainder, getkey):
+    params, x = _inputs(getkey, batch_size)
+    chunked, oracle = _maps(CHUNK, remainder)
+    out, pullback = jax.vjp(chunked, params, x)
+    expected, pullback_ = jax.vjp(oracle, params, x)
+    assert tree_allclose(out, expected)
+    cotangent = jtu.tree_map(lambda o: jr.normal(getkey(), o.shape, o.dtype), out)
+    assert tree_allclose(pullback(cotangent), pullback_(cotangent))
+
+    tangents = jtu.tree_map(lambda p: jr.normal(getkey(), p.shape), (params, x))
+    primal_tangent = jax.jvp(chunked, (params, x), tangents)
+    assert tree_allclose(primal_tangent, jax.jvp(oracle, (params, x), tangents))
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "transform", (jax.jacrev, jax.jacfwd, jax.hessian), ids=("jacrev", "jacfwd", "hess")
+)
+def test_jacobians_and_hessian_match_filter_vmap(remainder, transform, getkey):
+    params, x = _inputs(getkey, 2 * CHUNK + 1)
+    chunked, oracle = _maps(CHUNK, remainder)
+    fn = lambda m: lambda w, x: m((w, params[1]), x)[0]["s"]
+    actual = transform(fn(chunked), argnums=(0, 1))(params[0], x)
+    assert tree_allclose(actual, transform(fn(oracle), argnums=(0, 1))(params[0], x))
+
+
+def test_third_derivative(getkey):
+    x = jr.uniform(getkey(), (2 * CHUNK + 1,), minval=0.5, maxval=2.0)
+    fn = lambda m: lambda w: jnp.sum(m(lambda w, x: jnp.sin(w * x) / x, w, x))
+    chunked = fc.filter_chunked_vmap(
+        lambda f, w, x: f(w, x), in_axes=(None, None, 0), chunk_size=CHUNK
+    )
+    oracle = eqx.filter_vmap(lambda f, w, x: f(w, x), in_axes=(None, None, 0))
+    third = lambda m: jax.grad(jax.grad(jax.grad(fn(m))))
+    w = jnp.array(0.7)
+    assert tree_allclose(third(chunked)(w), third(oracle)(w))
+    assert tree_allclose(
+        jax.jacfwd(jax.jacrev(jax.grad(fn(chunked))))(w),
+        jax.jacfwd(jax.jacrev(jax.grad(fn(oracle))))(w),
+    )
+
+
+@pytest.mark.parametrize("batch_size", (CHUNK + 1, 2 * CHUNK + 1))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_gradient_not_poisoned_by_padding(batch_size, remainder, getkey):
+    # Zero-padding the remainder would give `log(w * 0)` and a NaN gradient.
+    x = jr.uniform(getkey(), (batch_size,), minval=0.5, maxval=2.0)
+    loss = lambda m: lambda w: jnp.sum(m(lambda w, x: jnp.log(w * x), w, x))
+    kwargs: dict[str, Any] = dict(in_axes=(None, None, 0))
+    call = lambda f, w, x: f(w, x)
+    chunked = fc.filter_chunked_vmap(
+        call, chunk_size=CHUNK, remainder=remainder, **kwargs
+    )
+    grad = jax.grad(loss(chunked))(jnp.array(1.5))
+    assert jnp.isfinite(grad)
+    assert tree_allclose(grad, jax.grad(loss(eqx.filter_vmap(call, **kwargs)))(1.5))
+
+
+def _mixed(tree, x):
+    w, n, flag, name, scale = tree
+    y = jnp.tanh(w * x) * n.astype(w.dtype) * scale
+    return jnp.where(flag, y, -y), name
+
+
+def test_no_cotangents_for_integer_boolean_and_static_inputs(getkey):
+    tree = (jr.normal(getkey(), (3,)), jnp.arange(3), jnp.array(True), "name", 2)
+    x = (jr.normal(getkey(), (7, 3)), jnp.arange(7))
+    in_axes = (None, (0, 0))
+    kwargs: dict[str, Any] = dict(in_axes=in_axes, out_axes=(0, None))
+    f = lambda tree, x: _mixed(tree, x[0] + x[1].astype(x[0].dtype))
+    chunked = fc.filter_chunked_vmap(f, chunk_size=CHUNK, **kwargs)
+    oracle = eqx.filter_vmap(f, **kwargs)
+    loss = lambda m: lambda tree, x: jnp.sum(m(tree, x)[0] ** 2)
+    grads = eqx.filter_grad(loss(chunked))(tree, x)
+    assert tree_allclose(grads, eqx.filter_grad(loss(oracle))(tree, x))
+    assert grads[1:] == (None, None, None, None)
+
+
+def test_per_example_gradients_of_chunked_map(getkey):
+    params, x = _inputs(getkey, 2 * CHUNK + 1)
+    per_example = lambda p, x: jnp.sum(_f(p, x)[0]["h"] ** 2)
+    grads = fc.filter_chunked_vmap(
+        jax.grad(per_example), in_axes=(None, 0), chunk_size=CHUNK
+    )(params, x)
+    expected = jax.vmap(jax.grad(per_example), in_axes=(None, 0))(params, x)
+    assert tree_allclose(grads, expected)
+    # And `jax.vmap` of the gradient of a chunked map.
+    chunked, oracle = _maps(CHUNK)
+    loss = lambda m: lambda p, x: sum(jnp.sum(o**2) for o in jtu.tree_leaves(m(p, x)))
+    stacked = jtu.tree_map(lambda p: jnp.stack([p, 2 * p]), params)
+    per_params = lambda m: jax.vmap(jax.grad(loss(m)), in_axes=(0, None))
+    assert tree_allclose(
+        per_params(chunked)(stacked, x), per_params(oracle)(stacked, x)
+    )
+
+
+def _reverse_scans(jaxpr: Any) -> list[Any]:
+    """Every reverse-direction `scan` (a transposed loop) in a closed jaxpr."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["reverse"]:
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_reverse_scans(inner))
+    return found
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_reverse_loop_carries_no_batch_sized_array(remainder, getkey):
+    # Transposing the plain loop would carry full-size input and output cotangents
+    # (copied by XLA on every step: quadratic time), and stack the parameters'
+    # cotangents per chunk. The loop's JVP rule makes them scanned inputs/outputs,
+    # and keeps the parameters' cotangents summed in the carry.
+    batch_size, chunk_size = 37, 4
+    params, x = _inputs(getkey, batch_size)
+    chunked, _ = _maps(chunk_size, remainder)
+    cotangent = _cotangent(getkey, _maps(chunk_size)[1](params, x))
+    grad = jax.grad(_loss(chunked, cotangent), argnums=(0, 1))
+    (scan,) = _reverse_scans(jax.make_jaxpr(grad)(params, x).jaxpr)
+    num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
+    carries = scan.invars[num_consts : num_consts + num_carry]
+    assert all(batch_size not in v.aval.shape for v in carries)
+    param_shapes = {p.shape for p in params}
+    assert {v.aval.shape for v in carries} >= param_shapes
+    stacked = [v.aval.shape[1:] for v in scan.outvars[num_carry:]]
+    assert not param_shapes & set(stacked)
+
+
+def _temp_bytes(fn, *args) -> int:
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    assert analysis is not None
+    return int(analysis.temp_size_in_bytes)
+
+
+@pytest.mark.parametrize("checkpoint", (True, False))
+def test_gradient_memory_is_flat_in_batch_size(checkpoint, getkey):
+    def _grad_temp(batch_size):
+        params = (jr.normal(getkey(), (16, 256)), jr.normal(getkey(), (256,)))
+        x = jr.normal(getkey(), (batch_size, 16))
+        f = lambda p, x: jnp.sum(jnp.tanh(jnp.tanh(x @ p[0] + p[1])))
+        chunked = fc.filter_chunked_vmap(
+            f, in_axes=(None, 0), chunk_size=32, checkpoint=checkpoint
+        )
+        return _temp_bytes(jax.grad(lambda p: jnp.sum(chunked(p, x))), params)
+
+    small, large = _grad_temp(256), _grad_temp(4096)
+    if checkpoint:
+        # One chunk's residuals whatever the batch size; what grows is the one
+        # number per element of the output.
+        assert large - small <= 4 * (4096 - 256) * 8
+    else:
+        assert large > 8 * small
+
+
+def test_checkpoint_policy_saves_chosen_residuals(getkey):
+    # Saving the matmuls' outputs keeps one of them per element: more memory than
+    # full rematerialisation, less than saving everything, same values.
+    params = (jr.normal(getkey(), (16, 256)), jr.normal(getkey(), (256,)))
+    x = jr.normal(getkey(), (1024, 16))
+    f = lambda p, x: jnp.sum(jnp.sin(jnp.tanh(x @ p[0] + p[1]) @ p[0].T))
+    temps, grads = [], []
+    for checkpoint in CHECKPOINTS:
+        g = fc.filter_chunked_vmap(
+            f, in_axes=(None, 0), chunk_size=32, checkpoint=checkpoint
+        )
+        loss = lambda p: jnp.sum(g(p, x))
+        temps.append(_temp_bytes(jax.grad(loss), params))
+        grads.append(jax.grad(loss)(params))
+    assert tree_allclose(grads[0], grads[1]) and tree_allclose(grads[0], grads[2])
+    remat, save_all, policy = temps
+    assert remat < policy < save_all
