@@ -67,3 +67,62 @@ def median_seconds(
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def lower_seconds(fn: Callable[..., Any], *args: Any) -> float:
+    """Wall time of tracing and lowering a fresh `jax.jit(fn)` for `args`."""
+    start = time.perf_counter()
+    jax.jit(lambda *a: fn(*a)).lower(*args)
+    return time.perf_counter() - start
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_delta_bytes(fn: Callable[..., Any], *args: Any) -> int | None:
+    """How far the resident set grows while `fn(*args)` runs (its peak minus the
+    resident set before the call), or `None` where Linux's per-process high-water
+    mark cannot be reset (`/proc/self/clear_refs`)."""
+    before = _status_kib("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident set
+    except OSError:
+        return None
+    jax.block_until_ready(fn(*args))
+    peak = _status_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return max(peak - before, 0) * 1024
+
+
+class CompileCounter:
+    """Counts JAX traces and XLA compilations (via `jax.monitoring` events)."""
+
+    _TRACE = "/jax/core/compile/jaxpr_trace_duration"
+    _COMPILE = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self) -> None:
+        self.traces = 0
+        self.compiles = 0
+        self.compile_seconds = 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+
+    def _listen(self, event: str, seconds: float, **kwargs: Any) -> None:
+        del kwargs
+        if event == self._TRACE:
+            self.traces += 1
+        elif event == self._COMPILE:
+            self.compiles += 1
+            self.compile_seconds += seconds
+
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.traces, self.compiles, self.compile_seconds

@@ -25,6 +25,15 @@ from ._axes import (
 from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
 from ._collectives import collectives_over
 from ._custom_types import AxisSpec, Remainder, REMAINDERS, sentinel
+from ._eager import call_compiled, is_traced
+from ._sharding import (
+    BatchSharding,
+    check_collectives,
+    check_spmd_axis_name,
+    find_batch_sharding,
+    run_sharded,
+    SpmdAxisName,
+)
 
 
 _API = "filter_chunked_vmap"
@@ -42,7 +51,9 @@ def _split_output(out: PyTree[Any], out_axes: PyTree[AxisSpec]) -> tuple[Any, ..
         if axis is None:
             return None
         where = describe("output", path)
-        if not is_array(leaf):
+        # A Python scalar is a JAX type: `jax.vmap` broadcasts it to a weakly typed
+        # array, and so does `eqx.filter_vmap` with an integer out axis.
+        if not is_array(leaf) and not isinstance(leaf, bool | int | float | complex):
             raise TypeError(
                 f"`{where}` is {type(leaf).__name__} object {leaf!r}, which is not an "
                 f"array, but its `out_axes` is {axis}. Only arrays can be mapped: "
@@ -73,6 +84,7 @@ class _ChunkedVmapWrapper(eqx.Module):
     _axis_size: int | None
     _remainder: str
     _checkpoint: CheckpointSpec
+    _spmd_axis_name: SpmdAxisName = None
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -92,23 +104,21 @@ class _ChunkedVmapWrapper(eqx.Module):
             and self._chunk_size is not None
             and self._chunk_size < batch_size
         )
-        if chunked and _compile_eagerly(self, tree):
-            # An eager `lax.scan` recompiles on every call; `filter_jit` caches it.
-            return _eager_call(self, tree, spec)
+        if chunked and not is_traced((self, tree)):
+            # An eager `lax.scan` recompiles on every call: see `_eager.py`. Once
+            # traced, the inputs' shardings are hidden, so look at them now.
+            sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
+            return call_compiled(lambda _tree: self._call(_tree, spec, sharding), tree)
         return self._call(tree, spec)
 
-    def _call(self, tree: Any, spec: Any) -> Any:
+    def _call(self, tree: Any, spec: Any, sharding: BatchSharding | None = None) -> Any:
         in_axes = normalise_in_axes(
             tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
         )
         batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
         is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
         static, mapped = eqx.partition(tree, is_unmapped)
-
-        def _element(_mapped: Any) -> tuple[Any, ...]:
-            _args, _kwargs = eqx.combine(_mapped, static)
-            return _split_output(self._fun(*_args, **_kwargs), self._out_axes)
-
+        _element = ft.partial(_evaluate, self._fun, self._out_axes, static)
         if batch_size is None:
             out_mapped, out_unmapped, out_static = _element(mapped)
             if jtu.tree_leaves(out_mapped):
@@ -117,22 +127,46 @@ class _ChunkedVmapWrapper(eqx.Module):
                     "either `in_axes` or `axis_size` to be not `None`."
                 )
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
-        chunk_fn = ft.partial(_chunk_fn, _element, in_axes, self._axis_name)
-        chunk_size = self._chunk_size
-        if chunk_size is None or chunk_size >= batch_size:
-            out = chunk_fn(mapped, batch_size)
+        if sharding is None:
+            sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
+        if sharding is None:
+            out = self._run(static, in_axes, mapped, batch_size)
         else:
-            self._check_collectives(_element, mapped, in_axes, chunk_size, batch_size)
-            out = run_in_chunks(
-                chunk_fn,
+            # Each device chunks its own shard: see `_sharding.py`.
+            check_collectives(
+                _element, mapped, in_axes, self._axis_name, sharding, _API
+            )
+            out = run_sharded(
+                ft.partial(_run_local, in_axes),
+                (self, static),
+                ft.partial(_chunk_fn, _element, in_axes, self._axis_name),
                 mapped,
                 in_axes,
                 batch_size=batch_size,
-                chunk_size=chunk_size,
-                remainder=self._remainder,
-                checkpoint=self._checkpoint,
+                sharding=sharding,
+                api=_API,
             )
         return eqx.combine(out.batched, out.unbatched, out.static)
+
+    def _run(
+        self, static: Any, in_axes: Any, mapped: Any, batch_size: int
+    ) -> ChunkOutput:
+        """One `vmap` of the whole batch, or a scan over its chunks."""
+        element = ft.partial(_evaluate, self._fun, self._out_axes, static)
+        chunk_fn = ft.partial(_chunk_fn, element, in_axes, self._axis_name)
+        chunk_size = self._chunk_size
+        if chunk_size is None or chunk_size >= batch_size:
+            return chunk_fn(mapped, batch_size)
+        self._check_collectives(element, mapped, in_axes, chunk_size, batch_size)
+        return run_in_chunks(
+            chunk_fn,
+            mapped,
+            in_axes,
+            batch_size=batch_size,
+            chunk_size=chunk_size,
+            remainder=self._remainder,
+            checkpoint=self._checkpoint,
+        )
 
     def _check_collectives(
         self,
@@ -166,6 +200,23 @@ class _ChunkedVmapWrapper(eqx.Module):
         return eqx.Partial(self, instance)
 
 
+def _evaluate(
+    fun: Callable[..., Any], out_axes: Any, static: Any, mapped: Any
+) -> tuple[Any, ...]:
+    """`fun` on one element (the mapped leaves `mapped`), its output split."""
+    _args, _kwargs = eqx.combine(mapped, static)
+    return _split_output(fun(*_args, **_kwargs), out_axes)
+
+
+def _run_local(
+    in_axes: Any, closed: tuple[_ChunkedVmapWrapper, Any], mapped: Any, size: int
+) -> ChunkOutput:
+    """`_ChunkedVmapWrapper._run` with the arrays it closes over passed in, so that
+    `shard_map` sees them as inputs (closing over tracers breaks its transpose)."""
+    wrapper, static = closed
+    return wrapper._run(static, in_axes, mapped, size)
+
+
 def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
     shape = list(np.shape(x))
     del shape[axis]
@@ -180,50 +231,41 @@ def _chunk_fn(
     size: int,
 ) -> ChunkOutput:
     """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes."""
+    paths: list[str] = []
+
+    def _flat_unmapped(_mapped: Any) -> tuple[Any, ...]:
+        # The unmapped arrays go first, as a flat list: JAX's key path for an
+        # output that varies is off once the output holds `None`s, its index is not.
+        _out_mapped, _out_unmapped, _static = element(_mapped)
+        leaves, treedef = jtu.tree_flatten_with_path(_out_unmapped)
+        paths[:] = [describe("output", path) for path, _ in leaves]
+        return [x for _, x in leaves], _out_mapped, _static, Static(treedef)
+
     vmapped = jax.vmap(
-        element,
+        _flat_unmapped,
         in_axes=(in_axes,),
-        out_axes=(0, None, None),
+        out_axes=(None, 0, None, None),
         axis_name=axis_name,
         axis_size=size,
     )
     try:
-        out_mapped, out_unmapped, static = vmapped(mapped)
+        unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
         if "but output was batched" not in str(e):
             raise
-        match = re.search(r"out_axes\[1\](\S*),", str(e))
-        where = f"`{describe('output', ())}{match.group(1)}`" if match else "an output"
+        match = re.search(r"out_axes\[0\]\[(\d+)\]", str(e))
+        where = f"`{paths[int(match.group(1))]}`" if match else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
             "over the batch. An output marked `None` must not depend on the mapped "
             "inputs; give it an integer out axis to map it instead."
         ) from None
+    out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     out_static, out_axes = static.value
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
     return ChunkOutput(out_mapped, axes, out_unmapped, out_static)
-
-
-def _is_traced(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
-
-
-def _compile_eagerly(wrapper: _ChunkedVmapWrapper, tree: Any) -> bool:
-    if _is_traced((wrapper, tree)):
-        return False
-    static = eqx.filter((wrapper, tree), is_array, inverse=True)
-    try:
-        hash(tuple(jtu.tree_leaves(static)))
-    except TypeError:
-        return False  # `filter_jit` needs hashable static leaves: run op by op
-    return True
-
-
-@eqx.filter_jit
-def _eager_call(wrapper: _ChunkedVmapWrapper, tree: Any, spec: Any) -> Any:
-    return wrapper._call(tree, spec)
 
 
 @overload
@@ -236,6 +278,7 @@ def filter_chunked_vmap(
     axis_size: int | None = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    spmd_axis_name: SpmdAxisName = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -250,6 +293,7 @@ def filter_chunked_vmap(
     axis_size: int | None = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    spmd_axis_name: SpmdAxisName = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -264,6 +308,7 @@ def filter_chunked_vmap(
     axis_size: int | None = None,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    spmd_axis_name: SpmdAxisName = None,
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -289,7 +334,9 @@ def filter_chunked_vmap(
         over the batch; it is returned once. Defaults to `equinox.if_array(0)`.
     - `chunk_size`: keyword-only. The number of batch elements evaluated together.
         `None` (the default), or any value at least the batch size, evaluates the
-        whole batch in one `vmap`, exactly as `equinox.filter_vmap`.
+        whole batch in one `vmap`, exactly as `equinox.filter_vmap`. When the batch
+        is split over devices (see `spmd_axis_name`), it counts elements per device:
+        each device chunks its own `batch_size / num_devices` elements.
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
         collective over this axis would only see one chunk, so it raises a
@@ -306,6 +353,15 @@ def filter_chunked_vmap(
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save. It has no effect on evaluation without differentiation.
+    - `spmd_axis_name`: keyword-only. The mesh axis name (or tuple of names) that
+        the batch is split over, as for `jax.vmap`. When the batch is split over
+        devices, each device chunks its own elements inside `jax.shard_map`, so the
+        compiled program has no collective on the batch and the mapped outputs are
+        split like the inputs, along their out axes. The split is found by itself
+        outside `jax.jit` and in explicit-sharding mode; name it only under `jit`
+        in auto-sharding mode, with the mesh set by `jax.set_mesh`. The batch size
+        must then be a multiple of the number of devices. Defaults to `None`. See
+        the guide on sharded and multi-host use.
 
     **Returns:**
 
@@ -356,8 +412,10 @@ def filter_chunked_vmap(
             axis_size=axis_size,
             remainder=remainder,
             checkpoint=checkpoint,
+            spmd_axis_name=spmd_axis_name,
         )
     _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
+    check_spmd_axis_name(spmd_axis_name, _API)
     wrapper = _ChunkedVmapWrapper(
         _fun=fun,
         _in_axes=in_axes,
@@ -367,6 +425,7 @@ def filter_chunked_vmap(
         _axis_size=axis_size,
         _remainder=remainder,
         _checkpoint=checkpoint,
+        _spmd_axis_name=spmd_axis_name,
     )
     return eqx.module_update_wrapper(wrapper)
 

@@ -1,0 +1,339 @@
+"""Chunking a sharded batch inside each device's shard.
+
+Chunking an axis that is sharded over devices breaks sharding propagation: the
+scan's dynamic slices index the whole batch, so XLA gathers it onto every device
+(see "Peers' behaviour" in `shared/MEASUREMENTS.md`). Instead, when the batch is
+split over a mesh axis, [`run_sharded`][] runs the chunked map under
+`jax.shard_map`, manual over that mesh axis only: each device chunks its own
+`batch_size / num_devices` elements, and the compiled program has no collective on
+the batch. Unmapped inputs enter `shard_map` replicated over the manual axis (so
+`shard_map`'s transpose sums their cotangents over it, once) and stay as they are
+over every other mesh axis.
+
+The mesh axis is found from the mapped inputs wherever JAX shows it when tracing:
+the `NamedSharding` of a concrete `jax.Array`, or the type of a traced array in
+explicit-sharding mode. Under `jit` in auto mode the sharding is invisible, so the
+user names the mesh axis with `spmd_axis_name` (and the mesh comes from
+`jax.set_mesh`).
+"""
+
+import functools as ft
+import math
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, PyTree
+
+from ._axes import describe, is_array
+from ._chunking import ChunkFn, ChunkOutput
+from ._collectives import collectives_over
+
+
+SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
+AnyMesh: TypeAlias = Mesh | AbstractMesh
+
+
+class BatchSharding(NamedTuple):
+    """The mesh, and the axes of it, that the batch is split over."""
+
+    mesh: AnyMesh
+    axis_names: tuple[str, ...]
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.shape[name] for name in self.axis_names)
+
+    def spec(self, axis: int) -> P:
+        """A `PartitionSpec` splitting dimension `axis` over the batch's axes."""
+        names = self.axis_names
+        return P(*([None] * axis), names[0] if len(names) == 1 else names)
+
+
+def check_spmd_axis_name(spmd_axis_name: SpmdAxisName, api: str) -> None:
+    """Checks, when the transform is built, that `spmd_axis_name` names axes."""
+    names = _as_names(spmd_axis_name)
+    if spmd_axis_name is not None and (not names or len(set(names)) != len(names)):
+        raise ValueError(
+            f"`{api}(..., spmd_axis_name=...)` must be a mesh axis name or a tuple of "
+            f"distinct mesh axis names, got {spmd_axis_name!r}."
+        )
+
+
+def _as_names(entry: Any) -> tuple[str, ...]:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
+
+
+def _leaf_sharding(x: Any) -> NamedSharding | None:
+    """The sharding JAX shows for `x` while tracing, if it is a named one."""
+    if isinstance(x, jax.core.Tracer):
+        # Only explicit-sharding mode puts the sharding in the type; in auto mode
+        # the spec is all `None`, which reads as "not split".
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    elif isinstance(x, jax.Array):
+        sharding = x.sharding
+    else:
+        return None
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def _split_names(sharding: NamedSharding, axis: int) -> tuple[str, ...]:
+    spec = sharding.spec
+    names = _as_names(spec[axis]) if axis < len(spec) else ()
+    mesh = sharding.mesh
+    # An axis that is already manual (inside an outer `shard_map`) is not ours.
+    return tuple(n for n in names if n not in set(mesh.manual_axes))
+
+
+def _same_mesh(a: AnyMesh, b: AnyMesh) -> bool:
+    if isinstance(a, Mesh) and isinstance(b, Mesh):
+        return a == b
+    return a.abstract_mesh == b.abstract_mesh
+
+
+def _pick_mesh(meshes: list[AnyMesh], api: str) -> AnyMesh | None:
+    """One mesh for every input, preferring a concrete one; `None` if none seen."""
+    for mesh in meshes[1:]:
+        if not _same_mesh(mesh, meshes[0]):
+            raise ValueError(
+                f"`{api}` got mapped inputs on different meshes: {meshes[0]} and "
+                f"{mesh}. Put every input on one mesh, for example with "
+                "`jax.device_put(x, NamedSharding(mesh, spec))`."
+            )
+    concrete = [m for m in meshes if isinstance(m, Mesh)]
+    return (concrete or meshes or [None])[0]
+
+
+def find_batch_sharding(
+    tree: PyTree[Any],
+    in_axes: PyTree[int | None],
+    spmd_axis_name: SpmdAxisName,
+    api: str,
+) -> BatchSharding | None:
+    """The mesh axes the mapped inputs' batch is split over; `None` if it is not."""
+    leaves = dict(jtu.tree_leaves_with_path(tree))
+    meshes, split = [], {}
+    for path, axis in jtu.tree_leaves_with_path(in_axes):
+        sharding = _leaf_sharding(leaves[path])
+        if sharding is None or sharding.mesh.empty:
+            continue
+        meshes.append(sharding.mesh)
+        names = _split_names(sharding, axis)
+        if names:
+            split[describe("in_axes", path)] = names
+    wanted = _as_names(spmd_axis_name)
+    if not wanted and not split:
+        return None
+    mesh = _pick_mesh(meshes, api)
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
+    names = wanted or next(iter(split.values()))
+    _check_names(mesh, names, split, spmd_axis_name, api)
+    return BatchSharding(mesh, names)
+
+
+def _check_names(
+    mesh: AnyMesh,
+    names: tuple[str, ...],
+    split: dict[str, tuple[str, ...]],
+    spmd_axis_name: SpmdAxisName,
+    api: str,
+) -> None:
+    if mesh.empty:
+        raise ValueError(
+            f"`{api}(..., spmd_axis_name={spmd_axis_name!r})` needs a mesh, but "
+            "none of the mapped inputs shows one and no mesh is set. Call it under "
+            "`with jax.set_mesh(mesh):`."
+        )
+    missing = [n for n in names if n not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"`{api}(..., spmd_axis_name={spmd_axis_name!r})` names {missing!r}, "
+            f"which are not axes of the mesh {mesh}."
+        )
+    disagree = {where: n for where, n in split.items() if n != names}
+    if disagree:
+        listed = ", ".join(f"`{where}`: {n!r}" for where, n in split.items())
+        source = (
+            "`spmd_axis_name`"
+            if spmd_axis_name is not None
+            else "`" + next(iter(split)) + "`"
+        )
+        raise ValueError(
+            f"`{api}` got mapped inputs whose batch is split over different mesh "
+            f"axes: {listed}; {source} splits it over {names!r}. Split every "
+            "mapped input's batch over the same mesh axes (for example with "
+            "`jax.sharding.reshard`), or replicate the odd ones."
+        )
+
+
+def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeStruct:
+    """One device's shard of `x`, keeping its explicit sharding over other axes."""
+    shape = list(np.shape(x))
+    shape[axis] //= sharding.num_devices
+    current = _leaf_sharding(x)
+    if current is not None and current.mesh.explicit_axes:
+        entries = _without(sharding, current.spec, len(shape))
+        local = NamedSharding(current.mesh, _spec(entries))
+    else:
+        local = None
+    return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x), sharding=local)
+
+
+def check_collectives(
+    element: Callable[..., Any],
+    mapped: PyTree[Array],
+    in_axes: PyTree[int | None],
+    axis_name: Hashable | None,
+    sharding: BatchSharding,
+    api: str,
+) -> None:
+    """Refuses collectives over `axis_name`: each device would see its shard only."""
+    if axis_name is None:
+        return
+
+    def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
+        shape = list(np.shape(x))
+        del shape[axis]
+        return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x))
+
+    structs = jtu.tree_map(_element_struct, in_axes, mapped)
+    arrays = lambda m: eqx.filter(element(m)[:2], is_array)
+    found = collectives_over(arrays, structs, axis_name, sharding.num_devices)
+    if found:
+        raise ValueError(
+            f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
+            f"collective(s) {', '.join(f'`{c}`' for c in found)} over {axis_name!r}, "
+            f"but the batch is split over the mesh axes {sharding.axis_names!r}, so "
+            "each device would only see its own shard. Move the collective out of "
+            "the mapped function (for example, reduce the mapped output afterwards)."
+        )
+
+
+def run_sharded(
+    local: Callable[[PyTree[Any], PyTree[Array], int], ChunkOutput],
+    closed: PyTree[Any],
+    chunk_fn: ChunkFn,
+    mapped: PyTree[Array],
+    in_axes: PyTree[int | None],
+    *,
+    batch_size: int,
+    sharding: BatchSharding,
+    api: str,
+) -> ChunkOutput:
+    """Evaluates `local(closed, local_inputs, local_batch_size)` on each shard.
+
+    `local` is the unsharded path (one `vmap`, or the scan over chunks), so the
+    chunking core is the same on one device or many. `closed` holds what it
+    closes over, unmapped arrays included: they enter `shard_map` as replicated
+    inputs, since closing over tracers breaks `shard_map`'s transpose under a scan.
+    `chunk_fn` only gives the outputs' axes, which put the shards back together.
+    """
+    num_devices = sharding.num_devices
+    if batch_size % num_devices != 0:
+        raise ValueError(
+            f"`{api}` got a batch of {batch_size} elements split over the mesh "
+            f"axes {sharding.axis_names!r} of {num_devices} devices. The batch "
+            f"size must be a multiple of {num_devices}: pad the batch, or do not "
+            "split it (drop `spmd_axis_name`, or replicate the inputs)."
+        )
+    local_size = batch_size // num_devices
+    arrays, rest = eqx.partition(closed, is_array)
+    arrays = jtu.tree_map(ft.partial(_conform, sharding, None), arrays)
+    mapped = jtu.tree_map(ft.partial(_conform, sharding), in_axes, mapped)
+    structs = jtu.tree_map(ft.partial(_local_struct, sharding), in_axes, mapped)
+    shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
+
+    def _local(_arrays: PyTree[Array], _mapped: PyTree[Array]) -> tuple[Any, Any]:
+        _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
+        return _out.batched, _out.unbatched
+
+    in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))
+    batched, unbatched = _shard_map(_local, sharding, in_specs, shapes)(arrays, mapped)
+    return ChunkOutput(batched, shapes.batched_axes, unbatched, shapes.static)
+
+
+def _shard_map(
+    fn: Callable[..., Any], sharding: BatchSharding, in_specs: Any, shapes: ChunkOutput
+) -> Callable[..., Any]:
+    """`jax.shard_map` of `fn`, manual over the batch's mesh axes only."""
+    out_specs = (
+        jtu.tree_unflatten(
+            jtu.tree_structure(shapes.batched),
+            [sharding.spec(axis) for axis in shapes.batched_axes],
+        ),
+        P(),  # `out_axes=None` outputs do not vary over devices
+    )
+    kwargs = dict(
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset(sharding.axis_names),
+    )
+    others = [a for a in sharding.mesh.explicit_axes if a not in sharding.axis_names]
+    if not others:
+        return jax.shard_map(fn, mesh=sharding.mesh, **kwargs)
+
+    # With other explicit mesh axes, a partial-manual `shard_map` lowers to
+    # all-gathers over them (jax 0.10). Making them auto for the call avoids it;
+    # the outputs' explicit shardings come from the evaluated shapes.
+    def _call(*args: Any) -> Any:
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(fn, mesh=mesh, **kwargs)(*args)
+
+    structs = jtu.tree_leaves(shapes.batched)
+    batched = [
+        _batched_sharding(sharding, struct, axis)
+        for struct, axis in zip(structs, shapes.batched_axes, strict=True)
+    ]
+    out_sharding = (
+        jtu.tree_unflatten(jtu.tree_structure(shapes.batched), batched),
+        jtu.tree_map(lambda struct: struct.sharding, shapes.unbatched),
+    )
+    return jax.sharding.auto_axes(_call, axes=tuple(others), out_sharding=out_sharding)
+
+
+def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    """The mesh axes each of `ndim` dimensions is split over."""
+    return [_as_names(entry) for entry in tuple(spec) + (None,) * (ndim - len(spec))]
+
+
+def _without(sharding: BatchSharding, spec: P, ndim: int) -> list[tuple[str, ...]]:
+    """`spec`'s entries, with the batch's mesh axes removed."""
+    names = sharding.axis_names
+    return [tuple(n for n in e if n not in names) for e in _entries(spec, ndim)]
+
+
+def _spec(entries: list[tuple[str, ...]]) -> P:
+    return P(*(e[0] if len(e) == 1 else e or None for e in entries))
+
+
+def _batched_sharding(
+    sharding: BatchSharding, struct: jax.ShapeDtypeStruct, axis: int
+) -> NamedSharding:
+    """A batched output's sharding: one device's chunk, split at `axis`."""
+    entries = _without(sharding, struct.sharding.spec, len(struct.shape))
+    entries[axis] = sharding.axis_names + entries[axis]
+    return NamedSharding(sharding.mesh, _spec(entries))
+
+
+def _conform(sharding: BatchSharding, axis: int | None, x: Any) -> Any:
+    """In explicit mode, reshards `x` to be split over the batch's mesh axes along
+    `axis` only (replicated over them if `axis` is `None`), as `shard_map` requires.
+
+    In auto mode `shard_map` reshards by itself (and types do not show shardings).
+    """
+    current = _leaf_sharding(x)
+    if current is None or not current.mesh.explicit_axes:
+        return x
+    old = _entries(current.spec, np.ndim(x))
+    new = _without(sharding, current.spec, np.ndim(x))
+    if axis is not None:
+        new[axis] = sharding.axis_names + new[axis]
+    return x if new == old else jax.sharding.reshard(x, _spec(new))

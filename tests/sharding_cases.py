@@ -1,0 +1,327 @@
+"""Chunking a batch sharded over 8 simulated CPU devices.
+
+Not collected by itself: `test_sharding.py` runs this file in a subprocess with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`, since the flag must be set
+before JAX starts. Every value is checked against `eqx.filter_vmap`, every output's
+sharding against the input's, and the compiled programs for collectives.
+"""
+
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import filtered_chunk as fc
+
+from .helpers import tree_allclose
+
+
+if jax.device_count() < 8:
+    pytest.skip(
+        "needs 8 devices: run through `tests/test_sharding.py`",
+        allow_module_level=True,
+    )
+
+COLLECTIVE = re.compile(
+    r"=\s*(.+?)\s+(all-gather|all-reduce|all-to-all|reduce-scatter|"
+    r"collective-permute)(?:-start)?\("
+)
+AUTO, EXPLICIT = AxisType.Auto, AxisType.Explicit
+
+
+def collectives(fn: Any, *args: Any) -> list[tuple[str, str]]:
+    """`(shape, op)` of each collective in the compiled program of `jit(fn)`."""
+    return COLLECTIVE.findall(jax.jit(fn).lower(*args).compile().as_text() or "")
+
+
+def size(shape: str) -> int:
+    """The number of elements of an HLO shape: `f64[1,4]{1,0}`, or a tuple."""
+    arrays = re.findall(r"\[([\d,]*)\]", shape)
+    return sum(int(np.prod([int(d) for d in a.split(",") if d])) for a in arrays)
+
+
+def mesh_1d(axis_type: AxisType = AUTO) -> jax.sharding.Mesh:
+    return jax.make_mesh((8,), ("batch",), axis_types=(axis_type,))
+
+
+def mesh_2d(axis_type: AxisType = AUTO) -> jax.sharding.Mesh:
+    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+def put(x: Any, mesh: jax.sharding.Mesh, *spec: Any) -> Any:
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def same(actual: Any, expected: Any) -> bool:
+    return tree_allclose(jax.device_get(actual), jax.device_get(expected))
+
+
+def split_like(x: jax.Array, mesh: jax.sharding.Mesh, *spec: Any) -> bool:
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, P(*spec)), x.ndim)
+
+
+def outer(w, x):
+    return jnp.outer(x, w), w * 2, "static"
+
+
+OUTER_AXES: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(1, None, None))
+
+
+@pytest.mark.parametrize("chunk_size", (2, 5, 16))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_concrete_sharding_is_detected(chunk_size, remainder, getkey):
+    # 40 elements on 8 devices: 5 per device, so chunks of 2 leave a remainder of 1
+    # on every device, 5 is exact, and 16 does not chunk the shard.
+    mesh = mesh_1d()
+    x = put(jr.normal(getkey(), (40, 3)), mesh, "batch")
+    w = jr.normal(getkey(), (4,))
+    expected = eqx.filter_vmap(outer, **OUTER_AXES)(w, x)
+    actual = fc.filter_chunked_vmap(
+        outer, chunk_size=chunk_size, remainder=remainder, **OUTER_AXES
+    )(w, x)
+    assert same(actual, expected)
+    assert split_like(actual[0], mesh, None, "batch")
+    assert actual[1].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_chunk_size_counts_elements_per_device(remainder):
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jnp.ones((40, 3)), mesh, "batch")
+    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=2, remainder=remainder)
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(chunked)(x))
+    # 5 elements per device: 3 steps with an overlapping last chunk, or 2 steps
+    # and a remainder of 1.
+    assert "shard_map" in jaxpr
+    lengths = re.findall(r"length=(\d+)", jaxpr)
+    assert lengths == (["3"] if remainder == "overlap" else ["2"])
+
+
+def test_explicit_mode_is_detected_under_jit(getkey):
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jr.normal(getkey(), (64, 3)), mesh, "batch")
+    w = put(jr.normal(getkey(), (4,)), mesh)
+    chunked = fc.filter_chunked_vmap(outer, chunk_size=3, **OUTER_AXES)
+    expected = eqx.filter_vmap(outer, **OUTER_AXES)(np.asarray(w), np.asarray(x))
+    with jax.set_mesh(mesh):
+        actual = eqx.filter_jit(chunked)(w, x)
+        assert collectives(lambda w, x: chunked(w, x)[:2], w, x) == []
+    assert same(actual, expected)
+    assert split_like(actual[0], mesh, None, "batch")
+
+
+def test_spmd_axis_name_under_jit_in_auto_mode(getkey):
+    mesh = mesh_1d(AUTO)
+    x = put(jr.normal(getkey(), (64, 3)), mesh, "batch")
+    w = jr.normal(getkey(), (4,))
+    named = fc.filter_chunked_vmap(
+        outer, chunk_size=3, spmd_axis_name="batch", **OUTER_AXES
+    )
+    unnamed = fc.filter_chunked_vmap(outer, chunk_size=3, **OUTER_AXES)
+    expected = eqx.filter_vmap(outer, **OUTER_AXES)(w, x)
+    with jax.set_mesh(mesh):
+        actual = eqx.filter_jit(named)(w, x)
+        assert collectives(lambda w, x: named(w, x)[:2], w, x) == []
+        # Without the name the sharding is invisible under `jit`: still right.
+        assert same(eqx.filter_jit(unnamed)(w, x), expected)
+    assert same(actual, expected)
+    assert split_like(actual[0], mesh, None, "batch")
+
+
+def test_spmd_axis_name_splits_a_replicated_batch(getkey):
+    mesh = mesh_1d(AUTO)
+    x = jr.normal(getkey(), (64, 3))
+    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=3, spmd_axis_name="batch")
+    with jax.set_mesh(mesh):
+        actual = jax.jit(chunked)(x)
+    assert same(actual, jnp.sin(x))
+    assert split_like(actual, mesh, "batch")
+
+
+def loss(chunked: Any) -> Any:
+    return lambda w, x: jnp.sum(chunked(w, x)[0] ** 2)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_gradient_reduces_unmapped_inputs_once(axis_type, getkey):
+    mesh = mesh_1d(axis_type)
+    x = put(jr.normal(getkey(), (64, 3)), mesh, "batch")
+    w = put(jr.normal(getkey(), (4,)), mesh)
+    chunked = fc.filter_chunked_vmap(
+        outer, chunk_size=3, spmd_axis_name="batch", **OUTER_AXES
+    )
+    oracle = eqx.filter_vmap(outer, **OUTER_AXES)
+    expected = jax.grad(loss(oracle), argnums=(0, 1))(np.asarray(w), np.asarray(x))
+    grad = jax.grad(loss(chunked), argnums=(0, 1))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(grad)(w, x)
+        found = collectives(grad, w, x)
+    assert same(actual, expected)  # not multiplied by the number of devices
+    assert split_like(actual[1], mesh, "batch")
+    # The only collective sums `w`'s cotangent over the devices.
+    assert [(op, size(shape)) for shape, op in found] == [("all-reduce", 4)]
+
+
+def test_gradient_memory_is_bounded(getkey):
+    mesh = mesh_1d(AUTO)
+    x = put(jr.normal(getkey(), (8 * 256, 16)), mesh, "batch")
+    w = jr.normal(getkey(), (16, 128))
+    f = lambda w, x: jnp.tanh(x @ w).sum()
+    chunked = fc.filter_chunked_vmap(
+        f, in_axes=(None, 0), chunk_size=8, spmd_axis_name="batch"
+    )
+    vmapped = jax.vmap(f, in_axes=(None, 0))
+
+    def temp_bytes(fn: Any) -> int:
+        grad = jax.grad(lambda w, x: fn(w, x).sum())
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(grad).lower(w, x).compile()
+        analysis = compiled.memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes
+
+    # Per device, `vmap` keeps 256 x 128 activations; chunks keep 8 x 128.
+    assert temp_bytes(chunked) < temp_bytes(vmapped) / 4
+
+
+def mlp(w, x):
+    return jnp.tanh(x @ w)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_two_dimensional_mesh(axis_type, getkey):
+    mesh = mesh_2d(axis_type)
+    x = put(jr.normal(getkey(), (32, 6)), mesh, "data")
+    w = put(jr.normal(getkey(), (6, 4)), mesh, None, "model")
+    chunked = fc.filter_chunked_vmap(
+        mlp, in_axes=(None, 0), chunk_size=3, spmd_axis_name="data"
+    )
+    expected = jax.vmap(mlp, in_axes=(None, 0))(np.asarray(w), np.asarray(x))
+    grad = jax.grad(lambda w, x: chunked(w, x).sum())
+    expected_grad = jax.grad(lambda w, x: mlp(w, x).sum())(np.asarray(w), np.asarray(x))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(chunked)(w, x)
+        assert collectives(chunked, w, x) == []
+        actual_grad = jax.jit(grad)(w, x)
+        # The gradient sums `w`'s cotangent, each device its `model` half of it.
+        found = collectives(grad, w, x)
+    assert [(op, size(shape)) for shape, op in found] == [("all-reduce", 12)]
+    assert same(actual, expected)
+    assert split_like(actual, mesh, "data", "model")
+    assert same(actual_grad, expected_grad)
+    assert split_like(actual_grad, mesh, None, "model")
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_batch_split_over_two_mesh_axes(axis_type, getkey):
+    mesh = mesh_2d(axis_type)
+    x = put(jr.normal(getkey(), (32, 6)), mesh, ("data", "model"))
+    w = jr.normal(getkey(), (6, 4))
+    chunked = fc.filter_chunked_vmap(mlp, in_axes=(None, 0), chunk_size=3)
+    expected = jax.vmap(mlp, in_axes=(None, 0))(w, np.asarray(x))
+    assert same(chunked(w, x), expected)  # detected outside `jit`
+    named = fc.filter_chunked_vmap(
+        mlp, in_axes=(None, 0), chunk_size=3, spmd_axis_name=("data", "model")
+    )
+    with jax.set_mesh(mesh):
+        actual = jax.jit(named)(w, x)
+        assert collectives(named, w, x) == []
+    assert same(actual, expected)
+    assert split_like(actual, mesh, ("data", "model"))
+
+
+def test_nested_vmap(getkey):
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jr.normal(getkey(), (3, 64, 2)), mesh, None, "batch")
+    f = lambda x: jnp.sin(x).sum()
+    chunked = jax.vmap(fc.filter_chunked_vmap(f, chunk_size=3))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(chunked)(x)
+        assert collectives(chunked, x) == []
+    assert same(actual, jax.vmap(jax.vmap(f))(np.asarray(x)))
+    assert split_like(actual, mesh, None, "batch")
+
+
+def test_module_ensemble(getkey):
+    mesh = mesh_1d(AUTO)
+    make = lambda key: eqx.nn.MLP(3, 2, 8, 1, key=key)
+    models = eqx.filter_vmap(make)(jr.split(getkey(), 16))
+    models = eqx.filter_shard(models, NamedSharding(mesh, P("batch")))
+    x = jr.normal(getkey(), (5, 3))
+    call = lambda model, x: jax.vmap(model)(x)
+    in_axes = (eqx.if_array(0), None)
+    oracle = eqx.filter_jit(eqx.filter_vmap(call, in_axes=in_axes))
+    chunked = fc.filter_chunked_vmap(call, in_axes=in_axes, chunk_size=1)
+    actual = chunked(models, x)
+    assert same(actual, oracle(models, x))
+    assert split_like(actual, mesh, "batch")
+    grad = lambda fn: eqx.filter_grad(lambda m, x: jnp.sum(fn(m, x) ** 2))
+    named = fc.filter_chunked_vmap(
+        call, in_axes=in_axes, chunk_size=1, spmd_axis_name="batch"
+    )
+    actual_grad = eqx.filter_jit(grad(named))(models, x)
+    assert same(actual_grad, eqx.filter_jit(grad(oracle))(models, x))
+    assert split_like(actual_grad.layers[0].weight, mesh, "batch")
+
+
+def test_unmapped_input_split_over_the_batch_axis(getkey):
+    # Each device needs all of `w`: it is gathered (not the batch), and the
+    # gradient comes back split as `w` was.
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jr.normal(getkey(), (64, 3)), mesh, "batch")
+    w = put(jr.normal(getkey(), (8, 3)), mesh, "batch")
+    f = lambda w, x: (w @ x).sum()
+    chunked = fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=3)
+    oracle = jax.vmap(f, in_axes=(None, 0))
+    args = (np.asarray(w), np.asarray(x))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(chunked)(w, x)
+        actual_grad = jax.jit(jax.grad(lambda w, x: chunked(w, x).sum()))(w, x)
+    assert same(actual, oracle(*args))
+    assert same(actual_grad, jax.grad(lambda w, x: oracle(w, x).sum())(*args))
+
+
+def test_indivisible_batch_raises():
+    mesh = mesh_1d(AUTO)
+    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=3, spmd_axis_name="batch")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of 8"):
+        jax.jit(chunked)(jnp.ones((10, 2)))
+
+
+def test_batches_split_over_different_axes_raise():
+    mesh = mesh_2d(EXPLICIT)
+    x, y = put(jnp.ones((8, 2)), mesh, "data"), put(jnp.ones((8, 2)), mesh, "model")
+    chunked = fc.filter_chunked_vmap(jnp.add, chunk_size=2)
+    with pytest.raises(ValueError, match="split over different mesh axes"):
+        chunked(x, y)
+    named = fc.filter_chunked_vmap(jnp.add, chunk_size=2, spmd_axis_name="model")
+    with pytest.raises(ValueError, match="split over different mesh axes"):
+        named(x, x)
+
+
+def test_unknown_mesh_axis_raises():
+    x = put(jnp.ones((8, 2)), mesh_1d(), "batch")
+    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=2, spmd_axis_name="rows")
+    with pytest.raises(ValueError, match="not axes of the mesh"):
+        chunked(x)
+
+
+def test_spmd_axis_name_without_a_mesh_raises():
+    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=2, spmd_axis_name="batch")
+    with pytest.raises(ValueError, match="needs a mesh"):
+        jax.jit(chunked)(np.ones((8, 2)))
+
+
+def test_collective_over_axis_name_raises():
+    x = put(jnp.ones((16,)), mesh_1d(EXPLICIT), "batch")
+    normalise = lambda x: x / jax.lax.psum(x, "i")
+    chunked = fc.filter_chunked_vmap(normalise, axis_name="i")
+    with pytest.raises(ValueError, match="each device would only see its own"):
+        chunked(x)
