@@ -343,12 +343,13 @@ def filter_chunked_vmap(
         `ValueError` instead of computing a per-chunk result.
     - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
     - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
-        elements. `"overlap"` (the default) runs `ceil(batch_size / chunk_size)`
-        steps of one loop, the last starting at `batch_size - chunk_size`, so it
-        recomputes fewer than `chunk_size` elements but needs no second working set
-        and traces `fun` once. `"separate"` evaluates the remainder in a second
-        `vmap` after the loop: no recomputation, but a second trace of `fun` and,
-        measured, up to twice the memory.
+        elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /
+        chunk_size)` steps over chunks of equal size (at most `chunk_size`), the
+        last starting where it ends the batch: it recomputes fewer elements than
+        there are steps, needs no second working set, and traces `fun` once.
+        `"separate"` evaluates the remainder in a second `vmap` after the loop: no
+        recomputation, but a second trace of `fun` and, measured, up to twice the
+        memory.
     - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
@@ -396,9 +397,11 @@ def filter_chunked_vmap(
 
     !!! tip
 
-        Outside `jax.jit`, a chunked call (one that splits the batch) compiles itself
-        with `equinox.filter_jit`, since a `lax.scan` run op by op would recompile
-        on every call. As under `jit`, array arguments then reach `fun` as tracers.
+        Outside `jax.jit`, a chunked call (one that splits the batch) is traced and
+        run as one compiled program, since a `lax.scan` run op by op would
+        recompile on every call. The compilation is cached on the traced program,
+        not on `fun`, so values that `fun` reads from its closure are never stale.
+        As under `jit`, array arguments reach `fun` as tracers.
 
     [eqx-filter-vmap]: https://docs.kidger.site/equinox/api/transformations/#equinox.filter_vmap
     """
