@@ -34,9 +34,17 @@ def is_traced(tree: PyTree[Any]) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
 
 
+class _InnerConstants(Exception):
+    pass
+
+
 def _callables(jaxpr: Any) -> Iterator[Any]:
+    """The callables in `jaxpr`'s parameters, which its text does not identify."""
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
+            if isinstance(value, jex.ClosedJaxpr) and value.consts:
+                # Constants that JAX did not hoist are not in the key: don't cache.
+                raise _InnerConstants
             if callable(value) and not isinstance(value, jex.Jaxpr | jex.ClosedJaxpr):
                 yield value
         for sub in jex.jaxprs_in_params(eqn.params):
@@ -55,12 +63,13 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     )(dynamic)
     if is_traced(closed.consts):
         return fn(tree)  # `fn` closes over an outer transformation's tracers
-    key = (str(closed.jaxpr), tuple(_callables(closed.jaxpr)))
     try:
-        compiled = _programs.pop(key)
-    except TypeError:
-        return fn(tree)  # an unhashable callable: no cache, run op by op
-    except KeyError:
+        key = (str(closed.jaxpr), tuple(_callables(closed.jaxpr)))
+        hash(key)
+    except (TypeError, _InnerConstants):
+        return fn(tree)  # no reliable key (an unhashable callable): run op by op
+    compiled = _programs.pop(key, None)
+    if compiled is None:
         compiled = jax.jit(ft.partial(_evaluate, closed.jaxpr))
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
