@@ -100,7 +100,8 @@ def _write_one(buffer: Array, chunk: Array, axis: int, start: Any) -> Array:
             buffer, chunk, start, axis=axis, allow_negative_indices=False
         )
     # `dynamic_update_slice` drops a weak type; a scatter keeps its operand's.
-    index = (slice(None),) * axis + (start + jnp.arange(chunk.shape[axis]),)
+    rows = jnp.arange(chunk.shape[axis], dtype=jnp.result_type(start))
+    index = (slice(None),) * axis + (start + rows,)
     return buffer.at[index].set(chunk)
 
 
