@@ -23,8 +23,8 @@ from ._axes import (
     normalise_in_axes,
     resolve_axes,
 )
-from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
-from ._custom_types import AxisSpec, Remainder, REMAINDERS, sentinel
+from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
+from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
 
 
@@ -314,15 +314,6 @@ def filter_chunked_apply(
 def _check_arguments(
     in_axes: Any, out_axes: Any, chunk_size: int | None, remainder: str
 ) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(
-            f"`{_API}(..., chunk_size=...)` must be a positive integer or `None`, "
-            f"got {chunk_size!r}."
-        )
-    if remainder not in REMAINDERS:
-        raise ValueError(
-            f"`{_API}(..., remainder=...)` must be one of {REMAINDERS}, got "
-            f"{remainder!r}."
-        )
+    check_chunking(chunk_size, remainder, _API)
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")

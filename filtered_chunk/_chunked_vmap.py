@@ -22,9 +22,9 @@ from ._axes import (
     normalise_in_axes,
     resolve_axes,
 )
-from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
+from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._collectives import collectives_over
-from ._custom_types import AxisSpec, Remainder, REMAINDERS, sentinel
+from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
 from ._sharding import (
     BatchSharding,
@@ -440,20 +440,11 @@ def _check_arguments(
     axis_size: int | None,
     remainder: str,
 ) -> None:
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(
-            f"`{_API}(..., chunk_size=...)` must be a positive integer or `None`, "
-            f"got {chunk_size!r}."
-        )
+    check_chunking(chunk_size, remainder, _API)
     if axis_size is not None and (isinstance(axis_size, bool) or axis_size < 0):
         raise ValueError(
             f"`{_API}(..., axis_size=...)` must be a non-negative integer or `None`, "
             f"got {axis_size!r}."
-        )
-    if remainder not in REMAINDERS:
-        raise ValueError(
-            f"`{_API}(..., remainder=...)` must be one of {REMAINDERS}, got "
-            f"{remainder!r}."
         )
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")

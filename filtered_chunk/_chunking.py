@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._derivatives import scan_chunks
+from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
+from ._derivatives import checkpointed, scan_chunks
 
 
 class ChunkOutput(NamedTuple):
@@ -38,7 +39,6 @@ class ChunkOutput(NamedTuple):
 
 
 ChunkFn = Callable[[PyTree[Array], int], ChunkOutput]
-CheckpointSpec = bool | Callable[..., Any]
 
 
 def slice_inputs(
@@ -125,12 +125,18 @@ def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
     return -(-batch_size // num_steps)
 
 
-def _maybe_checkpoint(fn: Callable[..., Any], checkpoint: CheckpointSpec):
-    if checkpoint is False:
-        return fn
-    policy = None if checkpoint is True else checkpoint
-    # `prevent_cse=False` is safe (and faster) inside a scan: see `jax.checkpoint`.
-    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+def check_chunking(chunk_size: int | None, remainder: str, api: str) -> None:
+    """Checks, when a transform is built, the arguments every chunked one takes."""
+    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(
+            f"`{api}(..., chunk_size=...)` must be a positive integer or `None`, "
+            f"got {chunk_size!r}."
+        )
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"`{api}(..., remainder=...)` must be one of {REMAINDERS}, got "
+            f"{remainder!r}."
+        )
 
 
 def run_in_chunks(
@@ -160,7 +166,7 @@ def run_in_chunks(
             out = chunk_fn(slice_inputs(_inputs, in_axes, start, size), size)
             return jtu.tree_leaves(out.batched), out.unbatched
 
-        return _maybe_checkpoint(_arrays, checkpoint)
+        return checkpointed(_arrays, checkpoint)
 
     shapes = eqx.filter_eval_shape(
         lambda _inputs: chunk_fn(

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from ._custom_types import CheckpointSpec
+
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
 WriteFn = Callable[[list[Array], list[Array], Int[Array, ""]], list[Array]]
-CheckpointSpec = bool | Callable[..., Any]
 
 
 def _is_none(x: Any) -> bool:

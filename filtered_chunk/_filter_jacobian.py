@@ -9,9 +9,9 @@ import equinox as eqx
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-from ._chunking import CheckpointSpec
+from ._chunking import check_chunking, CheckpointSpec
 from ._custom_types import Remainder, sentinel
-from ._jacobian import check_arguments, Jacobian, Options
+from ._jacobian import Jacobian, Options
 
 
 class _FilterJacobian(eqx.Module):
@@ -46,7 +46,7 @@ class _FilterJacobian(eqx.Module):
 
 
 def _build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
-    check_arguments(options.chunk_size, options.remainder, options.api)
+    check_chunking(options.chunk_size, options.remainder, options.api)
     return eqx.module_update_wrapper(_FilterJacobian(fun, options, rev))
 
 

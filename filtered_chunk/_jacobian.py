@@ -25,8 +25,8 @@ from ._basis import (
     unravel,
     without_float0,
 )
-from ._chunking import CheckpointSpec, ChunkOutput
-from ._custom_types import Remainder, REMAINDERS, sentinel
+from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
+from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
 
 
@@ -136,23 +136,9 @@ class Jacobian(eqx.Module):
         return eqx.Partial(self, instance)
 
 
-def check_arguments(chunk_size: int | None, remainder: str, api: str) -> None:
-    """Checks, when the transform is built, the arguments shared by every Jacobian."""
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(
-            f"`{api}(..., chunk_size=...)` must be a positive integer or `None`, "
-            f"got {chunk_size!r}."
-        )
-    if remainder not in REMAINDERS:
-        raise ValueError(
-            f"`{api}(..., remainder=...)` must be one of {REMAINDERS}, got "
-            f"{remainder!r}."
-        )
-
-
 def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
     """Checks the options and wraps `fun` in a `Jacobian`."""
-    check_arguments(options.chunk_size, options.remainder, options.api)
+    check_chunking(options.chunk_size, options.remainder, options.api)
     return eqx.module_update_wrapper(Jacobian(fun, options, rev))
 
 
