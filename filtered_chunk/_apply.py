@@ -23,6 +23,7 @@ from ._axes import (
     normalise_in_axes,
     resolve_axes,
 )
+from ._boundary import api_boundary, keyword_only
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
@@ -133,6 +134,7 @@ class _ChunkedApplyWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
@@ -208,6 +210,7 @@ def filter_chunked_apply(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only("filter_chunked_apply", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_apply(
     fun: Callable[..., Any] = sentinel,

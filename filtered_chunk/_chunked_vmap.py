@@ -22,6 +22,7 @@ from ._axes import (
     normalise_in_axes,
     resolve_axes,
 )
+from ._boundary import api_boundary, keyword_only
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._collectives import collectives_over
 from ._custom_types import AxisSpec, Remainder, sentinel
@@ -90,6 +91,7 @@ class _ChunkedVmapWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
@@ -297,6 +299,7 @@ def filter_chunked_vmap(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only("filter_chunked_vmap", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_vmap(
     fun: Callable[..., Any] = sentinel,

@@ -9,6 +9,7 @@ import equinox as eqx
 from beartype import beartype
 from jaxtyping import jaxtyped
 
+from ._boundary import api_boundary, keyword_only
 from ._chunking import check_chunking, CheckpointSpec
 from ._custom_types import Remainder, sentinel
 from ._jacobian import Jacobian, Options
@@ -26,6 +27,7 @@ class _FilterJacobian(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @api_boundary
     def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
         diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
         has_aux = self._options.has_aux
@@ -71,6 +73,7 @@ def filter_chunked_jacrev(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only("filter_chunked_jacrev", 1, ("has_aux",), "equinox.filter_jacrev")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_jacrev(
     fun: Callable[..., Any] = sentinel,
@@ -162,6 +165,7 @@ def filter_chunked_jacfwd(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only("filter_chunked_jacfwd", 1, ("has_aux",), "equinox.filter_jacfwd")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_jacfwd(
     fun: Callable[..., Any] = sentinel,

@@ -25,6 +25,7 @@ from ._basis import (
     unravel,
     without_float0,
 )
+from ._boundary import api_boundary, keyword_only
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
@@ -119,6 +120,7 @@ class Jacobian(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._options.chunk_size is not None and not is_traced((self, args, kwargs)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
@@ -169,6 +171,9 @@ def chunked_jacrev(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only(
+    "chunked_jacrev", 2, ("has_aux", "holomorphic", "allow_int"), "jax.jacrev"
+)
 @jaxtyped(typechecker=beartype)
 def chunked_jacrev(
     fun: Callable[..., Any] = sentinel,
@@ -284,6 +289,7 @@ def chunked_jacfwd(
 ) -> Callable[..., Any]: ...
 
 
+@keyword_only("chunked_jacfwd", 2, ("has_aux", "holomorphic"), "jax.jacfwd")
 @jaxtyped(typechecker=beartype)
 def chunked_jacfwd(
     fun: Callable[..., Any] = sentinel,

@@ -1,0 +1,72 @@
+"""Where errors meet the user: positional arguments in the public builders, and
+the traceback frames of the library.
+
+JAX users write `jax.vmap(f, (0, None))`; the builders here take everything but
+`fun` by keyword, as `equinox.filter_vmap` does. [`keyword_only`][] turns the bare
+`TypeError: too many positional arguments` of such a call into one that names the
+arguments and shows the call to write instead.
+
+[`api_boundary`][] marks a wrapper's `__call__` as the place below which JAX drops
+the frames of excluded files from a traceback, and the package's folder is
+excluded here, as Equinox excludes its own files: an error inside `fun` then shows
+no frame of this library, as under `equinox.filter_vmap`.
+"""
+
+import functools as ft
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from jax._src import traceback_util
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+traceback_util.register_exclusion(os.path.dirname(__file__))
+
+
+def api_boundary(fun: _F) -> _F:
+    """JAX filters the tracebacks of exceptions raised below a call of `fun`."""
+    return traceback_util.api_boundary(fun)
+
+
+def _call_text(
+    api: str, fun: Any, names: tuple[str, ...], extra: tuple[Any, ...], kwargs: Any
+) -> str:
+    """The call the user meant: extra positional arguments named as keywords."""
+    fun_name = getattr(fun, "__name__", "fun")
+    if not fun_name.isidentifier():  # a lambda
+        fun_name = "fun"
+    parts = [fun_name] + [f"{n}={v!r}" for n, v in zip(names, extra)]
+    parts += [f"{k}={v!r}" for k, v in kwargs.items()]
+    return f"{api}({', '.join(parts)})"
+
+
+def keyword_only(
+    api: str, num_positional: int, names: tuple[str, ...], like: str
+) -> Callable[[_F], _F]:
+    """Rejects positional arguments beyond the first `num_positional` with a
+    message naming them as `names` (their meaning in the JAX or Equinox call
+    `like` that users have in mind)."""
+
+    def _decorate(builder: _F) -> _F:
+        @ft.wraps(builder)
+        def _builder(*args: Any, **kwargs: Any) -> Any:
+            if len(args) <= num_positional:
+                return builder(*args, **kwargs)
+            extra = args[num_positional:]
+            keyword = ", ".join(f"`{n}`" for n in names)
+            if len(extra) > len(names):
+                call = f"{api}(fun, {', '.join(f'{n}=...' for n in names)}, ...)"
+            else:
+                call = _call_text(api, args[0], names, extra, kwargs)
+            raise TypeError(
+                f"`{api}` takes {num_positional} positional argument"
+                f"{'s' if num_positional > 1 else ''} but got {len(args)}. "
+                f"Its other arguments ({keyword}, `chunk_size`, ...) are "
+                f"keyword-only, unlike in `{like}`: write `{call}`."
+            )
+
+        return _builder  # pyright: ignore[reportReturnType]
+
+    return _decorate
