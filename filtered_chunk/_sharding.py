@@ -2,8 +2,10 @@
 
 Chunking an axis that is sharded over devices breaks sharding propagation: the
 scan's dynamic slices index the whole batch, so XLA gathers it onto every device
-(see "Peers' behaviour" in `shared/MEASUREMENTS.md`). Instead, when the batch is
-split over a mesh axis, [`run_sharded`][] runs the chunked map under
+(`jax.lax.map(batch_size=)` on a sharded batch adds all-gathers and returns a
+replicated output: `python benchmarks/sharding.py` counts them, and
+`tests/sharding_cases.py` checks that the programs here have none). Instead, when
+the batch is split over a mesh axis, [`run_sharded`][] runs the chunked map under
 `jax.shard_map`, manual over that mesh axis only: each device chunks its own
 `batch_size / num_devices` elements, and the compiled program has no collective on
 the batch. Unmapped inputs enter `shard_map` replicated over the manual axis (so
