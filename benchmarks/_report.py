@@ -22,15 +22,6 @@ LABELS = {
     "loop": "Python loop (in jit)",
     "netket": "netket.jax.vmap_chunked",
 }
-STYLES = {
-    "fc": ("C0", "o", "-"),
-    "fc_separate": ("C0", "s", "--"),
-    "vmap": ("C7", "", ":"),
-    "filter_vmap": ("C5", "", "-."),
-    "lax_map": ("C1", "^", "-"),
-    "loop": ("C3", "v", "-"),
-    "netket": ("C2", "D", "-"),
-}
 
 
 def _ok(row: dict[str, Any]) -> bool:
@@ -295,37 +286,42 @@ def targets_table(results: dict[str, Any]) -> str:
     return _table(["target", "status", "measured"], rows)
 
 
-def key_ratios_table(results: dict[str, Any]) -> str:
-    """Per workload and chunk size: the ratios the targets are about."""
+def _ratio_rows(
+    results: dict[str, Any], value: Any, peers: tuple[str, ...], spec: str
+) -> list[list[str]]:
     rows = []
     for c in _configs(results, "chunk"):
-        rows.append(
-            [
-                f"({c['workload']})",
-                str(c["batch_size"]),
-                str(c["chunk_size"]),
-                str(c["batch_size"] % c["chunk_size"]),
-                _fmt(mem_ratio(c, "fc"), ".3f"),
-                _fmt(mem_ratio(c, "fc_separate"), ".3f"),
-                _fmt(mem_ratio(c, "lax_map"), ".3f"),
-                _fmt(mem_ratio(c, "vmap"), ".2f"),
-                _fmt(time_ratio(c, "fc")),
-                _fmt(time_ratio(c, "fc_separate")),
-            ]
-        )
-    header = [
-        "workload",
-        "N",
-        "K",
-        "N mod K",
-        "mem/floor fc",
-        "mem/floor fc separate",
-        "mem/floor lax.map",
-        "mem/floor vmap",
-        "time fc / best",
-        "time fc separate / best",
-    ]
-    return _table(header, rows)
+        n, k = c["batch_size"], c["chunk_size"]
+        cells = [f"({c['workload']})", str(n), str(k), str(n % k)]
+        rows.append(cells + [_fmt(value(c, p), spec) for p in peers])
+    return rows
+
+
+MEMORY_PEERS = ("fc", "fc_separate", "lax_map", "vmap")
+TIME_PEERS = ("fc", "fc_separate", "lax_map", "vmap")
+_SHORT = {
+    "fc": "fc",
+    "fc_separate": "fc, separate",
+    "lax_map": "lax.map",
+    "vmap": "vmap",
+}
+
+
+def memory_table(results: dict[str, Any]) -> str:
+    """Per workload and chunk size: memory / floor of each implementation."""
+    header = ["", "N", "K", "N mod K"] + [_SHORT[p] for p in MEMORY_PEERS]
+    return _table(header, _ratio_rows(results, mem_ratio, MEMORY_PEERS, ".2f"))
+
+
+def time_table(results: dict[str, Any]) -> str:
+    """Per workload and chunk size: time over the faster of vmap and lax.map."""
+    header = ["", "N", "K", "N mod K"] + [_SHORT[p] for p in TIME_PEERS]
+    return _table(header, _ratio_rows(results, time_ratio, TIME_PEERS, ".2f"))
+
+
+def key_ratios_table(results: dict[str, Any]) -> str:
+    """Both tables, for the command line."""
+    return memory_table(results) + "\n\n" + time_table(results)
 
 
 def _detail_table(configs: list[dict[str, Any]]) -> str:
@@ -360,7 +356,7 @@ def _detail_table(configs: list[dict[str, Any]]) -> str:
         "time / best",
         "trace+lower s",
         "compile s",
-        "peak RSS growth MiB",
+        "RSS growth MiB",
         "matches vmap",
     ]
     return _table(header, rows)
@@ -368,30 +364,30 @@ def _detail_table(configs: list[dict[str, Any]]) -> str:
 
 def _scaling_table(configs: list[dict[str, Any]]) -> str:
     rows = []
-    base = configs[0]
-    for key in base["peers"]:
-        cells = [LABELS[key]]
+    for key in configs[0]["peers"]:
         for c in configs:
             row = c["peers"][key]
+            cells = [LABELS[key], str(c["batch_size"])]
             if not _ok(row):
-                cells += ["skipped", "", "", ""]
+                rows.append(cells + ["skipped", "", "", ""])
                 continue
-            cells += [
-                _fmt(mem_ratio(c, key), ".2f"),
-                _fmt(row["compile_s"], ".3f"),
-                _fmt(row["lower_s"], ".3f"),
-                str(row.get("hlo_instructions", "")),
-            ]
-        rows.append(cells)
-    header = ["implementation"]
-    for c in configs:
-        n = c["batch_size"]
-        header += [
-            f"mem/floor N={n}",
-            f"compile s N={n}",
-            f"trace+lower s N={n}",
-            f"HLO instr. N={n}",
-        ]
+            rows.append(
+                cells
+                + [
+                    _fmt(mem_ratio(c, key), ".2f"),
+                    _fmt(row["compile_s"], ".3f"),
+                    _fmt(row["lower_s"], ".3f"),
+                    str(row.get("hlo_instructions", "")),
+                ]
+            )
+    header = [
+        "implementation",
+        "N",
+        "mem/floor",
+        "compile s",
+        "trace+lower s",
+        "HLO instr.",
+    ]
     return _table(header, rows)
 
 
@@ -424,38 +420,171 @@ def _eager_table(results: dict[str, Any]) -> str:
     return _table(header, rows)
 
 
-def markdown(results: dict[str, Any], plots: list[str]) -> str:
+def headline_chunk_size(results: dict[str, Any]) -> int:
+    """A chunk size measured on every workload, not dividing most batch sizes."""
+    chunk = _configs(results, "chunk")
+    sizes = {k: [c for c in chunk if c["chunk_size"] == k] for k in _chunk_sizes(chunk)}
+    common = [k for k, cs in sizes.items() if len(cs) == len(results["workloads"])]
+    return max(
+        common or list(sizes),
+        key=lambda k: sum(c["batch_size"] % k != 0 for c in sizes[k]),
+    )
+
+
+def _chunk_sizes(configs: list[dict[str, Any]]) -> list[int]:
+    return sorted({c["chunk_size"] for c in configs})
+
+
+def _hardware(meta: dict[str, Any]) -> str:
+    """ "AMD EPYC, 2 cores; JAX backend cpu" -> "a CPU (AMD EPYC, 2 cores)"."""
+    machine, _, backend = meta["machine"].partition("; JAX backend ")
+    device = "a CPU" if backend in ("cpu", "") else f"a {backend.upper()}"
+    versions = ", ".join(
+        v for v in meta["versions"].split(", ") if v.split()[0] in ("jax", "equinox")
+    )
+    return f"{device} ({machine}; {versions})"
+
+
+def _range(xs: list[float]) -> str:
+    return f"{min(xs):.2f}x-{max(xs):.2f}x"
+
+
+def headline_markdown(results: dict[str, Any]) -> str:
+    """What it costs, on which hardware, against what: three lines."""
+    chunk = _configs(results, "chunk")
+    forward = [c for c in chunk if c["workload"] in FORWARD]
+    grads = [c for c in chunk if c["workload"] not in FORWARD]
+    fc = [mem_ratio(c, "fc") or 0.0 for c in forward]
+    vmap = max(mem_ratio(c, "vmap") or 0.0 for c in forward)
+    lax = max(mem_ratio(c, "lax_map") or 0.0 for c in forward)
+    times = {c["workload"]: [] for c in chunk}
+    for c in chunk:
+        if c["chunk_size"] >= TIME_MIN_CHUNK:
+            times[c["workload"]].append(time_ratio(c, "fc") or 0.0)
+    slow = max(times, key=lambda w: max(times[w]))
+    rest = [t for w, ts in times.items() if w != slow for t in ts]
+    every = [t for ts in times.values() for t in ts]
+    xla = _compile_ratios(results, lambda row: row["compile_s"])
+    lines = [
+        f"Measured on {_hardware(results['meta'])}, over five workloads and "
+        "chunk sizes `K` from "
+        f"{_chunk_sizes(chunk)[0]} to {_chunk_sizes(chunk)[-1]}, against "
+        "`jax.vmap` and `jax.lax.map(f, xs, batch_size=K)`:",
+        "",
+        f"- **Memory**: {_range(fc)} the floor (the outputs plus one chunk's "
+        f"working set), against up to {vmap:.0f}x for `jax.vmap` and "
+        f"{lax:.1f}x for `jax.lax.map`; on a gradient through the map, "
+        f"{_range([mem_ratio(c, 'fc') or 0.0 for c in grads])} against "
+        f"`jax.lax.map`'s "
+        f"{_range([mem_ratio(c, 'lax_map') or 0.0 for c in grads])}.",
+        f"- **Time**: median {statistics.median(every):.2f}x the faster of the two "
+        f"({_range(rest)} on the other workloads; {_range(times[slow])} on "
+        f"{results['workloads'][slow]['title']}, where writing the output "
+        "dominates).",
+        f"- **Compile time**: {_geomean([v for _, v in xla.values()]):.2f}x "
+        "`jax.lax.map`'s (geometric mean), and the same at 16 times the batch "
+        f"({_range([f for f, _ in xla.values()])}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def alt_text(results: dict[str, Any], name: str) -> str:
+    """A description of each plot for readers who cannot see it."""
+    chunk = _configs(results, "chunk")
+    ks = _chunk_sizes(chunk)
+    mem = {p: [mem_ratio(c, p) or 0.0 for c in chunk] for p in ("fc", "vmap")}
+    lax = [mem_ratio(c, "lax_map") or 0.0 for c in chunk]
+    if name == "headline":
+        k = headline_chunk_size(results)
+        cs = [c for c in chunk if c["chunk_size"] == k]
+        return (
+            f"Bar chart of memory over the floor at chunk size {k}, one group of "
+            "bars per workload: filter_chunked_vmap "
+            f"{_range([mem_ratio(c, 'fc') or 0.0 for c in cs])}, jax.lax.map "
+            f"{_range([mem_ratio(c, 'lax_map') or 0.0 for c in cs])}, jax.vmap "
+            f"{_range([mem_ratio(c, 'vmap') or 0.0 for c in cs])}."
+        )
+    if name == "memory":
+        return (
+            "Five log-log panels, one per workload, of memory over the floor "
+            f"against the chunk size ({ks[0]} to {ks[-1]}): filter_chunked_vmap "
+            f"stays between {min(mem['fc']):.2f} and {max(mem['fc']):.2f} in "
+            f"every panel; jax.vmap falls from {max(mem['vmap']):.0f} as the "
+            f"chunk grows; jax.lax.map reaches up to {max(lax):.1f}, highest on "
+            "the gradient through the map."
+        )
+    if name == "time":
+        fc = [time_ratio(c, "fc") or 0.0 for c in chunk]
+        return (
+            "Five log-log panels, one per workload, of the time over the faster "
+            "of jax.vmap and jax.lax.map against the chunk size: "
+            f"filter_chunked_vmap between {min(fc):.2f} and {max(fc):.2f}, "
+            "the Python loop the slowest."
+        )
+    return (
+        "Five log-log panels, one per workload, of the XLA compile time against "
+        "the batch size at a fixed chunk size: flat for filter_chunked_vmap, "
+        "jax.vmap and jax.lax.map; growing with the batch for the Python loop."
+    )
+
+
+def image(results: dict[str, Any], path: str) -> str:
+    """A Markdown image with its alt text."""
+    return f"![{alt_text(results, Path(path).stem)}]({path})"
+
+
+def _provenance(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    return (
+        f"Measured {meta['date']} with `{meta['command']}` "
+        f"({meta['runtime_s'] / 60:.0f} minutes) on {_hardware(meta)}."
+    )
+
+
+def page_blocks(results: dict[str, Any], prefix: str) -> dict[str, str]:
+    """The generated blocks of `docs/performance.md`, by name."""
+    return {
+        "headline": "\n".join(
+            [headline_markdown(results), image(results, f"{prefix}headline.svg")]
+        ),
+        "memory": "\n".join(
+            [
+                memory_table(results),
+                "",
+                image(results, f"{prefix}memory.svg"),
+            ]
+        ),
+        "time": "\n".join(
+            [time_table(results), "", image(results, f"{prefix}time.svg")]
+        ),
+        "compile": image(results, f"{prefix}compile.svg"),
+        "provenance": _provenance(results),
+    }
+
+
+def targets_markdown(results: dict[str, Any]) -> str:
+    """The block `benchmarks/README.md` embeds: the targets, met or missed."""
+    return "\n".join([_provenance(results), "", targets_table(results)])
+
+
+def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     parts = [
         "# Benchmark results",
         "",
-        "Generated by `benchmarks/run.py`; do not edit by hand. See "
-        "[Performance](../performance.md) for how to read it.",
+        "Every table of the last full run of `python benchmarks/run.py`, from "
+        "which the [Performance](../performance.md) page is drawn; that page "
+        "says how to read them.",
         "",
-        f"- Command: `{meta['command']}`",
         f"- Date: {meta['date']}; runtime {meta['runtime_s']:.0f} s",
         f"- Machine: {meta['machine']}",
         f"- Versions: {meta['versions']}",
-        f"- Load average (1 min) before / after: {meta['load_before']} / "
-        f"{meta['load_after']}",
-        f"- Timing: median of {meta['repeats']} interleaved rounds, after the "
-        f"memory and correctness calls and {meta['warmup']} warm-up round; 'best' "
-        "is the faster of `jax.vmap` and `jax.lax.map(batch_size=)` at the same "
-        "chunk size (median of the same round's time ratios).",
-        "",
-        "## Targets",
-        "",
-        targets_table(results),
-        "",
-        "## Key ratios",
-        "",
-        "Memory is (temporary + output bytes) / floor; time is over the faster of "
-        "`jax.vmap` and `jax.lax.map(batch_size=K)` at the same `K`.",
-        "",
-        key_ratios_table(results),
+        f"- Timing: median of {meta['repeats']} interleaved rounds, after "
+        f"{meta['warmup']} warm-up round; 'best' is the faster of `jax.vmap` and "
+        "`jax.lax.map(batch_size=)` at the same chunk size.",
         "",
     ]
-    parts += [f"![{Path(p).stem}]({Path(p).name})\n" for p in plots]
     for key, info in results["workloads"].items():
         configs = [c for c in _configs(results, "chunk") if c["workload"] == key]
         floor = ", ".join(
@@ -489,32 +618,4 @@ def markdown(results: dict[str, Any], plots: list[str]) -> str:
         _eager_table(results),
         "",
     ]
-    return "\n".join(parts)
-
-
-def summary_markdown(results: dict[str, Any], plots: list[str]) -> str:
-    """The block `docs/performance.md` embeds: provenance, targets, ratios, plots."""
-    meta = results["meta"]
-    parts = [
-        "",
-        f"Measured {meta['date']} with `{meta['command']}` "
-        f"({meta['runtime_s'] / 60:.0f} minutes) on {meta['machine']}; "
-        f"{meta['versions']}. Load average (1 min) {meta['load_before']} before, "
-        f"{meta['load_after']} after. Every table: "
-        "[benchmark results](benchmarks/results.md).",
-        "",
-        "### Targets",
-        "",
-        targets_table(results),
-        "",
-        "### Key ratios",
-        "",
-        "Memory is (temporary + output bytes) / floor; time is over the faster of "
-        '`jax.vmap` and `jax.lax.map(batch_size=K)` at the same `K`. "fc" is '
-        "`filter_chunked_vmap`.",
-        "",
-        key_ratios_table(results),
-        "",
-    ]
-    parts += [f"![{Path(p).stem}](benchmarks/{p})\n" for p in plots]
     return "\n".join(parts)
