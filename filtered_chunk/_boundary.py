@@ -13,7 +13,9 @@ no frame of this library, as under `equinox.filter_vmap`.
 """
 
 import functools as ft
+import inspect
 import os
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -42,6 +44,18 @@ def _call_text(
     return f"{api}({', '.join(parts)})"
 
 
+def _public_signature(builder: Callable[..., Any]) -> inspect.Signature:
+    """The signature of the overload that takes `fun`, as `help()` and the API
+    docs show it: `fun` required, `remainder` a `Literal`, no `sentinel`."""
+    for overload in typing.get_overloads(builder):
+        signature = inspect.signature(overload)
+        first = next(iter(signature.parameters.values()), None)
+        if first is not None and first.name == "fun":
+            # As a string: shown as written, not as `collections.abc.Callable`.
+            return signature.replace(return_annotation="Callable[..., Any]")
+    return inspect.signature(builder)
+
+
 def keyword_only(
     api: str, num_positional: int, names: tuple[str, ...], like: str
 ) -> Callable[[_F], _F]:
@@ -67,6 +81,10 @@ def keyword_only(
                 f"keyword-only, unlike in `{like}`: write `{call}`."
             )
 
+        # Introspection (`help`, `inspect.signature`, the API docs) stops here and
+        # shows the public signature rather than the implementation's.
+        del _builder.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
+        _builder.__signature__ = _public_signature(builder)  # pyright: ignore[reportAttributeAccessIssue]
         return _builder  # pyright: ignore[reportReturnType]
 
     return _decorate

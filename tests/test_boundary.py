@@ -2,8 +2,10 @@
 tracebacks of errors raised inside `fun`, which show none of the library's frames.
 """
 
+import inspect
 import pathlib
 import traceback
+import typing
 
 import equinox as eqx
 import jax
@@ -128,3 +130,26 @@ def test_traceback_no_longer_than_filter_vmap():
         lengths[name] = len(traceback.extract_tb(info.value.__traceback__))
     # Equinox's own bound-method frames (two) are all that remains beside `fun`'s.
     assert lengths["fc"] <= lengths["eqx"] + 2
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "filter_chunked_vmap",
+        "filter_chunked_apply",
+        "chunked_jacrev",
+        "chunked_jacfwd",
+        "filter_chunked_jacrev",
+        "filter_chunked_jacfwd",
+    ],
+)
+def test_signature_is_the_public_one(name):
+    # What `help()` and the API docs show: `fun` required, no `sentinel`, the
+    # allowed values of `remainder`.
+    signature = inspect.signature(getattr(fc, name))
+    fun = signature.parameters["fun"]
+    assert fun.default is inspect.Parameter.empty
+    remainder = signature.parameters["remainder"]
+    assert remainder.annotation == typing.Literal["overlap", "separate"]
+    assert remainder.kind is inspect.Parameter.KEYWORD_ONLY
+    assert "sentinel" not in str(signature)
