@@ -36,7 +36,7 @@ from matplotlib.ticker import (  # noqa: E402
 
 
 # Text stays text in the SVG: small files, crisp at any width.
-plt.rcParams.update({"svg.fonttype": "none", "font.size": 10})
+plt.rcParams.update({"svg.fonttype": "none", "font.size": 12})
 STYLES = {  # colour, marker, line style: no two alike
     "fc": ("#1f77b4", "o", "-"),
     "fc_separate": ("#17becf", "s", (0, (5, 2))),
@@ -46,6 +46,8 @@ STYLES = {  # colour, marker, line style: no two alike
     "loop": ("#d62728", "v", (0, (3, 1, 1, 1, 1, 1))),
     "netket": ("#2ca02c", "D", (0, (8, 3))),
 }
+# Legend labels: the tables' names, the long one on two lines.
+NAMES = LABELS | {"fc_separate": 'filter_chunked_vmap,\nremainder="separate"'}
 ORDER = ("fc", "fc_separate", "lax_map", "netket", "vmap", "filter_vmap", "loop")
 SHORT = {
     "fc": "filter_chunked_vmap",
@@ -61,12 +63,12 @@ SHORT = {
 def _workload_axes(results: dict[str, Any], title: str):
     """A 3 x 2 grid: one panel per workload, the last one for the legend."""
     keys = list(results["workloads"])
-    fig, grid = plt.subplots(3, 2, figsize=(8, 9.6))
-    fig.suptitle(title, fontsize=12)
+    fig, grid = plt.subplots(3, 2, figsize=(8, 11))
+    fig.suptitle(title, fontsize=14)
     panels = list(grid.flat)
     for ax, key in zip(panels, keys):
         title = results["workloads"][key]["title"].replace("`", "")
-        ax.set_title(f"({key}) {title}", fontsize=10)
+        ax.set_title(f"({key}) {title}", fontsize=12)
         ax.grid(True, which="major", alpha=0.3)
     for ax in panels[len(keys) :]:
         ax.axis("off")
@@ -111,7 +113,7 @@ def _panel_note(ax: Any, series: dict[str, list[tuple[float, float]]]) -> None:
     notes = [" = ".join(SHORT[k] for k in g) for g in groups if len(g) > 1]
     if notes:
         title = ax.get_title()
-        ax.set_title(title + "\n" + "; ".join(notes) + ": one line", fontsize=9)
+        ax.set_title(title + "\n" + "; ".join(notes) + ": one line", fontsize=10.5)
 
 
 def _legend(
@@ -125,19 +127,17 @@ def _legend(
         list(handles.values()),
         list(handles),
         loc="upper center",
-        fontsize=9,
+        fontsize=11,
         frameon=False,
         handlelength=3.5,
     )
-    notes = [
-        f"{LABELS[h]} coincides with {LABELS[s]} in every panel: drawn once."
-        for h, s in hidden.items()
-    ]
+    same = ", ".join(f"{SHORT[h]} = {SHORT[s]}" for h, s in hidden.items())
+    notes = [f"In every panel {same}: drawn once."] if hidden else []
     if extra:
         notes.append(extra)
     if notes:
-        text = "\n".join(textwrap.fill(n, 50) for n in notes)
-        legend_ax.text(0.5, 0.0, text, ha="center", va="bottom", fontsize=8.5)
+        text = "\n".join(textwrap.fill(n, 44) for n in notes)
+        legend_ax.text(0.5, -0.1, text, ha="center", va="bottom", fontsize=10)
     fig.tight_layout()
 
 
@@ -168,7 +168,7 @@ def _plot_lines(ax: Any, series: dict[str, list[tuple[float, float]]]) -> None:
         color, marker, line = STYLES[key]
         xs, ys = zip(*sorted(points))
         ax.plot(
-            xs, ys, color=color, marker=marker, ls=line, ms=6, lw=1.8, label=LABELS[key]
+            xs, ys, color=color, marker=marker, ls=line, ms=6, lw=1.8, label=NAMES[key]
         )
 
 
@@ -216,7 +216,7 @@ def plot_chunk_sizes(results: dict[str, Any], out_dir: Path) -> list[Path]:
         mem_ratio,
         "How much memory, against the chunk size K?",
         "memory / floor (1 = ideal)",
-        "The floor: the outputs plus jax.vmap's working set on K elements.",
+        "Floor: the outputs + jax.vmap's working set on K elements.",
     )
     _chunk_plot(
         results,
@@ -224,8 +224,8 @@ def plot_chunk_sizes(results: dict[str, Any], out_dir: Path) -> list[Path]:
         time_ratio,
         "How long, against the chunk size K?",
         "time / best of jax.vmap, jax.lax.map",
-        "1 = the faster of jax.vmap and jax.lax.map at the same K. eqx.filter_vmap, "
-        "which runs jax.vmap's program, is left out.",
+        "1 = the faster of jax.vmap and jax.lax.map at the same K; eqx.filter_vmap "
+        "(jax.vmap's program) left out.",
     )
     return [memory, time]
 
@@ -263,14 +263,14 @@ def plot_headline(results: dict[str, Any], out_dir: Path) -> list[Path]:
     k = headline_chunk_size(results)
     configs = [c for c in _configs(results, "chunk") if c["chunk_size"] == k]
     peers = ("fc", "lax_map", "vmap")
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     height = 0.26
     for i, key in enumerate(peers):
         color, _, _ = STYLES[key]
         ys = [j + (i - 1) * height for j in range(len(configs))]
         values = [mem_ratio(c, key) or 0.0 for c in configs]
-        bars = ax.barh(ys, values, height=height, color=color, label=LABELS[key])
-        ax.bar_label(bars, [f"{v:.2f}x" for v in values], padding=3, fontsize=8.5)
+        bars = ax.barh(ys, values, height=height, color=color, label=NAMES[key])
+        ax.bar_label(bars, [f"{v:.2f}x" for v in values], padding=3, fontsize=10)
     ax.set_yticks(range(len(configs)))
     ax.set_yticklabels(
         [
@@ -293,7 +293,7 @@ def plot_headline(results: dict[str, Any], out_dir: Path) -> list[Path]:
         loc="upper center",
         bbox_to_anchor=(0.4, -0.2),
         ncols=3,
-        fontsize=9,
+        fontsize=11,
         frameon=False,
     )
     fig.tight_layout()
