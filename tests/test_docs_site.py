@@ -72,3 +72,14 @@ def test_images_have_alt_text_and_exist(page: pathlib.Path):
         )
         if src and not re.match(r"https?://", src):
             assert (page.parent / src).is_file(), f"{src!r} does not exist."
+
+
+def test_search_splits_identifiers():
+    # Material's search splits words at its `separator`: "chunked" then finds
+    # `filter_chunked_vmap`.
+    config = (ROOT / "mkdocs.yml").read_text()
+    found = re.search(r"^\s*separator:\s*'(.+)'\s*$", config, re.MULTILINE)
+    assert found, "mkdocs.yml sets no search separator."
+    separator = found.group(1).replace("\\\\", "\\")
+    words = re.split(separator, "fc.filter_chunked_vmap(fun, in_axes=(0, None))")
+    assert "chunked" in words and "axes" in words
