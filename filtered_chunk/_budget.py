@@ -38,7 +38,7 @@ from ._eager import _callables, _InnerConstants
 # leaves out the allocator's fragmentation and what runs beside the call.
 AUTO_FRACTION = 0.8
 # A search compiles the whole batch, one element, then pairs of guesses.
-MAX_COMPILATIONS = 8
+MAX_COMPILATIONS = 10
 _UNITS = {
     "": 1,
     "b": 1,
@@ -82,8 +82,8 @@ class MemoryBudget(eqx.Module):
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
     runs. Under `jax.grad`/`jax.vjp` that is the differentiated program (forward and
     backward, with the transform's `checkpoint` setting). The chunk size is found
-    by compiling the call at a few chunk sizes on abstract shapes (at most eight
-    compilations, usually four) when the transform is first called with those
+    by compiling the call at a few chunk sizes on abstract shapes (usually four
+    compilations, at most ten) when the transform is first called with those
     shapes, inside or outside `jax.jit`; the choice is cached, so later calls
     compile nothing more for it.
 
@@ -124,10 +124,12 @@ class MemoryBudget(eqx.Module):
     bytes: int | None = eqx.field(static=True)
     fraction: float | None = eqx.field(static=True)
 
-    def __init__(self, size: int | float | str):
+    def __init__(self, size: Any):  # `int | float | str`, checked by value
         if isinstance(size, str):
             self.bytes, self.fraction = _parse_bytes(size), None
-        elif isinstance(size, bool) or not isinstance(size, int | float | np.number):
+        elif isinstance(size, bool) or not isinstance(
+            size, int | float | np.integer | np.floating
+        ):
             raise TypeError(
                 "`MemoryBudget(size)` takes a number of bytes (an integer), a string "
                 "such as `'4GiB'`, or a fraction of the free memory (a float in "
@@ -416,19 +418,23 @@ def _search(
         return n
     if n == 1 or bytes_at(1) > limit:
         raise on_too_small(measure(1))
-    lo, hi, count = 1, n, 2
+    lo, hi, count, moved = 1, n, 2, ""
     while sizes.above(lo) < hi and count < MAX_COMPILATIONS:
-        # Secant guess between the bracket's ends, strictly inside the bracket.
-        slope = (bytes_at(hi) - bytes_at(lo)) / (hi - lo)
-        guess = lo + (limit - bytes_at(lo)) / slope if slope > 0 else hi - 1
+        # A secant guess, checked with its neighbour; but bisect when the last
+        # two guesses moved the same end (the bytes are far from affine there).
+        bisect = moved[-2:] in ("ll", "hh")
+        if bisect:
+            guess = (lo + hi) / 2
+        else:
+            slope = (bytes_at(hi) - bytes_at(lo)) / (hi - lo)
+            guess = lo + (limit - bytes_at(lo)) / slope if slope > 0 else hi - 1
         k = sizes.at_most(min(max(int(guess), sizes.above(lo)), hi - 1))
         k = max(k, sizes.above(lo))
         count += 1
-        if bytes_at(k) <= limit:
-            lo, neighbour = k, sizes.above(k)
-        else:
-            hi, neighbour = k, sizes.below(k)
-        if lo < neighbour < hi:
+        fits = bytes_at(k) <= limit
+        lo, hi, moved = (k, hi, moved + "l") if fits else (lo, k, moved + "h")
+        neighbour = sizes.above(k) if fits else sizes.below(k)
+        if not bisect and lo < neighbour < hi:
             count += 1
             if bytes_at(neighbour) <= limit:
                 lo = neighbour
