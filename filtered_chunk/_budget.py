@@ -225,6 +225,21 @@ class ChunkSizeChoice(eqx.Module):
     - `bytes`: XLA's temporary plus output bytes of the program at that size.
     - `budget`: the budget in bytes.
     - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        f = lambda x: jnp.tanh(jnp.outer(x, x)) @ x
+        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("1MiB"))
+        choice = fc.suggest_chunk_size(chunked, jnp.ones((500, 64)))
+        for chunk_size, num_bytes in choice.tried:
+            fits = "fits" if num_bytes <= choice.budget else "too large"
+            print(f"chunk_size={chunk_size}: {num_bytes} bytes, {fits}")
+        assert (choice.chunk_size, choice.bytes) in choice.tried
+        ```
     """
 
     chunk_size: int

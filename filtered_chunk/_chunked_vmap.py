@@ -391,7 +391,12 @@ def filter_chunked_vmap(
         `None` (the default), or any value at least the batch size, evaluates the
         whole batch in one `vmap`, exactly as `equinox.filter_vmap`. When the batch
         is split over devices (see `spmd_axis_name`), it counts elements per device:
-        each device chunks its own `batch_size / num_devices` elements.
+        each device chunks its own `batch_size / num_devices` elements. Any
+        integer type is accepted (`numpy.int64`, a JAX integer scalar). Or a
+        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen when the
+        transform is first called with given shapes (see the guide on choosing
+        `chunk_size`).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
         collective over this axis would only see one chunk, so it raises a

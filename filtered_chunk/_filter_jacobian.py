@@ -111,6 +111,8 @@ def filter_chunked_jacrev(
     - `fun`: the function to differentiate, returning real arrays.
     - `chunk_size`: keyword-only. The number of rows (elements of the flattened
         output) computed per step; `None` (the default) computes them all at once.
+        Or a memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.
@@ -202,7 +204,9 @@ def filter_chunked_jacfwd(
     - `fun`: the function to differentiate.
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
         floating-point arrays of the first argument) computed per step; `None` (the
-        default) computes them all at once.
+        default) computes them all at once. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.

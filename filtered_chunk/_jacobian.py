@@ -256,7 +256,10 @@ def chunked_jacrev(
         an int or a sequence of ints, as for `jax.jacrev`. Defaults to `0`.
     - `chunk_size`: keyword-only. The number of rows (elements of the flattened
         output) computed per step. `None` (the default), or any value at least the
-        output size, computes them all in one `vmap`, as `jax.jacrev`.
+        output size, computes them all in one `vmap`, as `jax.jacrev`. Or a
+        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen, as for
+        `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacrev`. Defaults to `False`.
@@ -368,7 +371,9 @@ def chunked_jacfwd(
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
         differentiated arguments) computed per step. `None` (the default), or any
         value at least the input size, computes them all in one `vmap`, as
-        `jax.jacfwd`.
+        `jax.jacfwd`. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen, as for `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacfwd`. Defaults to `False`.
