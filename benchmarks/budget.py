@@ -43,7 +43,7 @@ from _measure import compile_fn, CompileCounter, MIB
 from _workloads import workloads
 
 import filtered_chunk as fc
-import filtered_chunk._budget as budget_module
+import filtered_chunk._chunk_search as search_module
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,8 +64,8 @@ def program(w: Any, chunk_size: Any) -> Callable[..., Any]:
 
 
 def _clear_cache() -> None:
-    budget_module._measured.clear()
-    budget_module._chosen.clear()
+    search_module._measured.clear()
+    search_module._chosen.clear()
 
 
 def _fixed_sizes(w: Any, quick: bool) -> list[int]:
@@ -117,7 +117,7 @@ def _search_cost(w: Any, budget: int, args: tuple[Any, ...], counter: Any) -> Ro
     row["search_compiles"] = row["first_call_compiles"] - row["repeat_call_compiles"]
     # Compile times vary run to run: the difference can dip below zero.
     row["search_compile_s"] = max(row["first_compile_s"] - row["repeat_compile_s"], 0)
-    (row["choice"],) = budget_module._chosen.values()
+    (row["choice"],) = search_module._chosen.values()
     row["out"] = out
     return row
 

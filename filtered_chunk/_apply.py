@@ -24,12 +24,8 @@ from ._axes import (
     normalise_in_axes,
     resolve_axes,
 )
-from ._budget import (
-    choose_chunk_size,
-    ChunkSizeChoice,
-    ChunkSizeSpec,
-    MemoryBudget,
-)
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
+from ._chunk_search import choose_chunk_size
 from ._chunking import (
     check_chunking,
     CheckpointSpec,

@@ -27,12 +27,8 @@ from ._basis import (
     unravel,
     without_float0,
 )
-from ._budget import (
-    choose_chunk_size,
-    ChunkSizeChoice,
-    ChunkSizeSpec,
-    MemoryBudget,
-)
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
+from ._chunk_search import choose_chunk_size
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
