@@ -93,7 +93,6 @@ class _Program:
         self.run = run
         self.structs = [_struct(x) for x in leaves]
         self.mask = [_differentiated(x) for x in leaves]
-        self.num_compilations = 0
 
     def trace(self, k: int | None) -> Any:
         """The jaxpr at `k` (its constants may be an outer transformation's
@@ -115,6 +114,7 @@ class _Program:
                 tuple(_callables(closed.jaxpr)),
                 tuple(_key_of(_struct(x)) for x in closed.consts),
                 tuple(_differentiated(x) for x in closed.consts),
+                tuple(_key_of(s) for s in self.structs),  # with their shardings
                 tuple(self.mask),
             )
             hash(key)
@@ -129,7 +129,6 @@ class _Program:
         mask = [_differentiated(x) for x in consts] + self.mask
         fn = _as_program(closed.jaxpr, len(consts), mask)
         structs = [_struct(x) for x in consts] + self.structs
-        self.num_compilations += 1
         analysis = jax.jit(fn).lower(structs).compile().memory_analysis()
         assert analysis is not None
         return _Measured(
