@@ -1,6 +1,11 @@
 import importlib.metadata
 
 from ._apply import filter_chunked_apply as filter_chunked_apply
+from ._budget import (
+    ChunkSizeChoice as ChunkSizeChoice,
+    MemoryBudget as MemoryBudget,
+    suggest_chunk_size as suggest_chunk_size,
+)
 from ._chunked_vmap import filter_chunked_vmap as filter_chunked_vmap
 from ._filter_jacobian import (
     filter_chunked_jacfwd as filter_chunked_jacfwd,

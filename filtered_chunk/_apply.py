@@ -1,5 +1,6 @@
 """`filter_chunked_apply`: call an already vectorised function on chunks of a batch."""
 
+import dataclasses
 import functools as ft
 import re
 from collections.abc import Callable
@@ -24,7 +25,15 @@ from ._axes import (
     resolve_axes,
 )
 from ._boundary import api_boundary, keyword_only
-from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
+from ._chunk_search import choose_chunk_size
+from ._chunking import (
+    check_chunking,
+    CheckpointSpec,
+    ChunkOutput,
+    ChunkSize,
+    run_in_chunks,
+)
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
 
@@ -126,7 +135,7 @@ class _ChunkedApplyWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _in_axes: PyTree[AxisSpec]
     _out_axes: PyTree[AxisSpec]
-    _chunk_size: int | None
+    _chunk_size: ChunkSize
     _remainder: str
     _checkpoint: CheckpointSpec
 
@@ -134,8 +143,45 @@ class _ChunkedApplyWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @property
+    def _budget(self) -> MemoryBudget | None:
+        return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
+
+    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
+        """The chunk size the budget allows for these arguments (`None` when
+        there is no batch to split)."""
+        assert self._budget is not None
+        args, kwargs, spec = bind_arguments(
+            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
+        )
+        tree = (args, kwargs)
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        batch_size = batch_size_of(tree, in_axes, None, _API)
+        if not batch_size:
+            return None
+
+        def _run(k: int | None, closed: Any) -> Any:
+            wrapper, _tree = closed
+            return dataclasses.replace(wrapper, _chunk_size=k)._call(_tree, spec)
+
+        return choose_chunk_size(
+            _run,
+            (self, tree),
+            batch_size=batch_size,
+            budget=self._budget,
+            remainder=self._remainder,
+            options=(self._remainder, self._checkpoint),
+            api=_API,
+        )
+
     @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self._budget is not None:
+            choice = self._choose(args, kwargs)
+            k = None if choice is None else choice.chunk_size
+            return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
         )
@@ -152,6 +198,7 @@ class _ChunkedApplyWrapper(eqx.Module):
         return self._call(tree, spec)
 
     def _chunked(self, batch_size: int) -> bool:
+        assert not isinstance(self._chunk_size, MemoryBudget)
         return self._chunk_size is not None and self._chunk_size < batch_size
 
     def _call(self, tree: Any, spec: Any) -> Any:
@@ -166,7 +213,7 @@ class _ChunkedApplyWrapper(eqx.Module):
         if not self._chunked(batch_size):
             out = chunk_fn(mapped, batch_size)
         else:
-            assert self._chunk_size is not None
+            assert isinstance(self._chunk_size, int)
             out = run_in_chunks(
                 chunk_fn,
                 mapped,
@@ -192,7 +239,7 @@ def filter_chunked_apply(
     *,
     in_axes: PyTree[AxisSpec] = eqx.if_array(0),
     out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
@@ -204,7 +251,7 @@ def filter_chunked_apply(
     *,
     in_axes: PyTree[AxisSpec] = eqx.if_array(0),
     out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
 ) -> Callable[..., Any]: ...
@@ -217,7 +264,7 @@ def filter_chunked_apply(
     *,
     in_axes: PyTree[Any] = eqx.if_array(0),
     out_axes: PyTree[Any] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
 ) -> Callable[..., Any]:
@@ -255,7 +302,9 @@ def filter_chunked_apply(
         does) and is returned once. Defaults to `equinox.if_array(0)`.
     - `chunk_size`: keyword-only. The number of batch elements per call of `fun`.
         `None` (the default), or any value at least the batch size, calls `fun`
-        once on the whole batch.
+        once on the whole batch. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen, as for `filter_chunked_vmap`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) runs `ceil(batch_size / chunk_size)` even chunks of at most
         `chunk_size` elements, the last overlapping the one before, in one loop;
@@ -302,7 +351,7 @@ def filter_chunked_apply(
             remainder=remainder,
             checkpoint=checkpoint,
         )
-    _check_arguments(in_axes, out_axes, chunk_size, remainder)
+    chunk_size = _check_arguments(in_axes, out_axes, chunk_size, remainder)
     wrapper = _ChunkedApplyWrapper(
         _fun=fun,
         _in_axes=in_axes,
@@ -315,8 +364,9 @@ def filter_chunked_apply(
 
 
 def _check_arguments(
-    in_axes: Any, out_axes: Any, chunk_size: int | None, remainder: str
-) -> None:
-    check_chunking(chunk_size, remainder, _API)
+    in_axes: Any, out_axes: Any, chunk_size: Any, remainder: str
+) -> ChunkSize:
+    chunk_size = check_chunking(chunk_size, remainder, _API)
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")
+    return chunk_size

@@ -1,3 +1,4 @@
+import dataclasses
 import functools as ft
 import re
 from collections.abc import Callable, Hashable
@@ -23,7 +24,15 @@ from ._axes import (
     resolve_axes,
 )
 from ._boundary import api_boundary, keyword_only
-from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
+from ._chunk_search import choose_chunk_size
+from ._chunking import (
+    check_chunking,
+    CheckpointSpec,
+    ChunkOutput,
+    ChunkSize,
+    run_in_chunks,
+)
 from ._collectives import collectives_over
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
@@ -80,7 +89,7 @@ class _ChunkedVmapWrapper(eqx.Module):
     _fun: Callable[..., Any]
     _in_axes: PyTree[AxisSpec]
     _out_axes: PyTree[AxisSpec]
-    _chunk_size: int | None
+    _chunk_size: ChunkSize
     _axis_name: Hashable | None
     _axis_size: int | None
     _remainder: str
@@ -91,8 +100,49 @@ class _ChunkedVmapWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @property
+    def _budget(self) -> MemoryBudget | None:
+        return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
+
+    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
+        """The chunk size the budget allows for these arguments (`None` when
+        there is no batch to split)."""
+        assert self._budget is not None
+        args, kwargs, spec = bind_arguments(
+            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
+        )
+        tree = (args, kwargs)
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+        sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
+        if sharding is not None and batch_size is not None:
+            batch_size //= sharding.num_devices  # `chunk_size` counts per device
+        if not batch_size:
+            return None
+
+        def _run(k: int | None, closed: Any) -> Any:
+            wrapper, _tree = closed
+            wrapper = dataclasses.replace(wrapper, _chunk_size=k)
+            return wrapper._call(_tree, spec, sharding)
+
+        return choose_chunk_size(
+            _run,
+            (self, tree),
+            batch_size=batch_size,
+            budget=self._budget,
+            remainder=self._remainder,
+            options=(self._remainder, self._checkpoint, self._axis_name),
+            api=_API,
+        )
+
     @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self._budget is not None:
+            choice = self._choose(args, kwargs)
+            k = None if choice is None else choice.chunk_size
+            return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
         )
@@ -103,7 +153,7 @@ class _ChunkedVmapWrapper(eqx.Module):
         batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
         chunked = (
             batch_size is not None
-            and self._chunk_size is not None
+            and isinstance(self._chunk_size, int)
             and self._chunk_size < batch_size
         )
         if chunked and not is_traced((self, tree)):
@@ -157,6 +207,7 @@ class _ChunkedVmapWrapper(eqx.Module):
         element = ft.partial(_evaluate, self._fun, self._out_axes, static)
         chunk_fn = ft.partial(_chunk_fn, element, in_axes, self._axis_name)
         chunk_size = self._chunk_size
+        assert not isinstance(chunk_size, MemoryBudget)
         if chunk_size is None or chunk_size >= batch_size:
             return chunk_fn(mapped, batch_size)
         self._check_collectives(element, mapped, in_axes, chunk_size, batch_size)
@@ -275,7 +326,7 @@ def filter_chunked_vmap(
     *,
     in_axes: PyTree[AxisSpec] = eqx.if_array(0),
     out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remainder: Remainder = "overlap",
@@ -290,7 +341,7 @@ def filter_chunked_vmap(
     *,
     in_axes: PyTree[AxisSpec] = eqx.if_array(0),
     out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remainder: Remainder = "overlap",
@@ -306,7 +357,7 @@ def filter_chunked_vmap(
     *,
     in_axes: PyTree[Any] = eqx.if_array(0),
     out_axes: PyTree[Any] = eqx.if_array(0),
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remainder: str = "overlap",
@@ -339,7 +390,12 @@ def filter_chunked_vmap(
         `None` (the default), or any value at least the batch size, evaluates the
         whole batch in one `vmap`, exactly as `equinox.filter_vmap`. When the batch
         is split over devices (see `spmd_axis_name`), it counts elements per device:
-        each device chunks its own `batch_size / num_devices` elements.
+        each device chunks its own `batch_size / num_devices` elements. Any
+        integer type is accepted (`numpy.int64`, a JAX integer scalar). Or a
+        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen when the
+        transform is first called with given shapes (see the guide on choosing
+        `chunk_size`).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
         collective over this axis would only see one chunk, so it raises a
@@ -420,7 +476,7 @@ def filter_chunked_vmap(
             checkpoint=checkpoint,
             spmd_axis_name=spmd_axis_name,
         )
-    _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
+    chunk_size = _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
     check_spmd_axis_name(spmd_axis_name, _API)
     wrapper = _ChunkedVmapWrapper(
         _fun=fun,
@@ -439,11 +495,11 @@ def filter_chunked_vmap(
 def _check_arguments(
     in_axes: Any,
     out_axes: Any,
-    chunk_size: int | None,
+    chunk_size: Any,
     axis_size: int | None,
     remainder: str,
-) -> None:
-    check_chunking(chunk_size, remainder, _API)
+) -> ChunkSize:
+    chunk_size = check_chunking(chunk_size, remainder, _API)
     if axis_size is not None and (isinstance(axis_size, bool) or axis_size < 0):
         raise ValueError(
             f"`{_API}(..., axis_size=...)` must be a non-negative integer or `None`, "
@@ -451,3 +507,4 @@ def _check_arguments(
         )
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")
+    return chunk_size

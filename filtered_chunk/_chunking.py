@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from ._budget import MemoryBudget, normalise_chunk_size
 from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
 from ._derivatives import checkpointed, scan_chunks
 
@@ -44,6 +45,8 @@ class ChunkOutput(NamedTuple):
 
 
 ChunkFn = Callable[[PyTree[Array], int], ChunkOutput]
+# What a transform holds: a fixed chunk size, none, or a budget to choose one.
+ChunkSize = int | MemoryBudget | None
 
 
 def slice_inputs(
@@ -130,18 +133,17 @@ def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
     return -(-batch_size // num_steps)
 
 
-def check_chunking(chunk_size: int | None, remainder: str, api: str) -> None:
-    """Checks, when a transform is built, the arguments every chunked one takes."""
-    if chunk_size is not None and (isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(
-            f"`{api}(..., chunk_size=...)` must be a positive integer or `None`, "
-            f"got {chunk_size!r}."
-        )
+def check_chunking(chunk_size: Any, remainder: str, api: str) -> ChunkSize:
+    """Checks, when a transform is built, the arguments every chunked one takes,
+    and returns `chunk_size` as the transform holds it (an `int`, `None`, or a
+    `MemoryBudget`, which `"auto"` becomes)."""
+    chunk_size = normalise_chunk_size(chunk_size, api)
     if remainder not in REMAINDERS:
         raise ValueError(
             f"`{api}(..., remainder=...)` must be one of {REMAINDERS}, got "
             f"{remainder!r}."
         )
+    return chunk_size
 
 
 def run_in_chunks(

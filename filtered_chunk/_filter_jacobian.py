@@ -1,6 +1,7 @@
 """`filter_chunked_jacrev` and `filter_chunked_jacfwd`: chunked Jacobians with
 respect to the floating-point arrays of the first argument, as Equinox's."""
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable
 from typing import Any, overload
@@ -10,6 +11,7 @@ from beartype import beartype
 from jaxtyping import jaxtyped
 
 from ._boundary import api_boundary, keyword_only
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
 from ._chunking import check_chunking, CheckpointSpec
 from ._custom_types import Remainder, sentinel
 from ._jacobian import Jacobian, Options
@@ -27,8 +29,14 @@ class _FilterJacobian(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
-    @api_boundary
-    def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def _budget(self) -> MemoryBudget | None:
+        chunk_size = self._options.chunk_size
+        return chunk_size if isinstance(chunk_size, MemoryBudget) else None
+
+    def _jacobian(self, x: Any, args: Any, kwargs: Any) -> tuple[Jacobian, Any]:
+        """The Jacobian of `fun` as a function of `x`'s floating-point arrays, and
+        those arrays."""
         diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
         has_aux = self._options.has_aux
 
@@ -37,8 +45,18 @@ class _FilterJacobian(eqx.Module):
             return _out if has_aux else (_out, None)
 
         options = eqx.tree_at(lambda o: o.has_aux, self._options, True)
-        jac, aux = Jacobian(_fun, options, self._rev)(diff_x)
-        return (jac, aux) if has_aux else jac
+        return Jacobian(_fun, options, self._rev), diff_x
+
+    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
+        """The chunk size the budget allows for these arguments."""
+        jacobian, diff_x = self._jacobian(args[0], args[1:], kwargs)
+        return jacobian._choose((diff_x,), {})
+
+    @api_boundary
+    def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
+        jacobian, diff_x = self._jacobian(x, args, kwargs)
+        jac, aux = jacobian(diff_x)
+        return (jac, aux) if self._options.has_aux else jac
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -48,14 +66,15 @@ class _FilterJacobian(eqx.Module):
 
 
 def _build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
-    check_chunking(options.chunk_size, options.remainder, options.api)
+    chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
+    options = dataclasses.replace(options, chunk_size=chunk_size)
     return eqx.module_update_wrapper(_FilterJacobian(fun, options, rev))
 
 
 @overload
 def filter_chunked_jacrev(
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -66,7 +85,7 @@ def filter_chunked_jacrev(
 def filter_chunked_jacrev(
     fun: Callable[..., Any],
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -78,7 +97,7 @@ def filter_chunked_jacrev(
 def filter_chunked_jacrev(
     fun: Callable[..., Any] = sentinel,
     *,
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     has_aux: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -95,6 +114,8 @@ def filter_chunked_jacrev(
     - `fun`: the function to differentiate, returning real arrays.
     - `chunk_size`: keyword-only. The number of rows (elements of the flattened
         output) computed per step; `None` (the default) computes them all at once.
+        Or a memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.
@@ -147,7 +168,7 @@ def filter_chunked_jacrev(
 @overload
 def filter_chunked_jacfwd(
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -158,7 +179,7 @@ def filter_chunked_jacfwd(
 def filter_chunked_jacfwd(
     fun: Callable[..., Any],
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -170,7 +191,7 @@ def filter_chunked_jacfwd(
 def filter_chunked_jacfwd(
     fun: Callable[..., Any] = sentinel,
     *,
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     has_aux: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
@@ -187,7 +208,9 @@ def filter_chunked_jacfwd(
     - `fun`: the function to differentiate.
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
         floating-point arrays of the first argument) computed per step; `None` (the
-        default) computes them all at once.
+        default) computes them all at once. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.

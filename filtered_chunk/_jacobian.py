@@ -1,7 +1,9 @@
 """Jacobians built `chunk_size` rows (reverse mode) or columns (forward mode) at a
 time: `chunked_jacrev` and `chunked_jacfwd`."""
 
+import dataclasses
 import functools as ft
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
@@ -26,6 +28,8 @@ from ._basis import (
     without_float0,
 )
 from ._boundary import api_boundary, keyword_only
+from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
+from ._chunk_search import choose_chunk_size
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
@@ -38,7 +42,7 @@ class Options(eqx.Module):
     has_aux: bool
     holomorphic: bool
     allow_int: bool
-    chunk_size: int | None
+    chunk_size: Any  # as given; a `ChunkSize` once checked by `build`
     remainder: str
     checkpoint: CheckpointSpec
     api: str
@@ -120,8 +124,54 @@ class Jacobian(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    @property
+    def _budget(self) -> MemoryBudget | None:
+        chunk_size = self._options.chunk_size
+        return chunk_size if isinstance(chunk_size, MemoryBudget) else None
+
+    def _total(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """The number of rows (reverse mode) or columns of the Jacobian."""
+        o = self._options
+        f, dynamic, _ = dynamic_args(self._fun, o.argnums, args, kwargs, o.api)
+        if not self._rev:
+            return offsets(dynamic)[1]
+        out = jax.eval_shape(f, *dynamic)
+        out = out[0] if o.has_aux else out
+        return sum(math.prod(np.shape(y)) for y in jtu.tree_leaves(out))
+
+    def _choose(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> ChunkSizeChoice | None:
+        """The chunk size the budget allows for these arguments (`None` when
+        the Jacobian is empty)."""
+        assert self._budget is not None
+        total = self._total(args, kwargs)
+        if not total:
+            return None
+
+        def _run(k: int | None, closed: Any) -> Any:
+            jacobian, (_args, _kwargs) = closed
+            options = dataclasses.replace(jacobian._options, chunk_size=k)
+            return dataclasses.replace(jacobian, _options=options)._call(_args, _kwargs)
+
+        o = self._options
+        return choose_chunk_size(
+            _run,
+            (self, (args, kwargs)),
+            batch_size=total,
+            budget=self._budget,
+            remainder=o.remainder,
+            options=(o.remainder, o.checkpoint, self._rev),
+            api=o.api,
+        )
+
     @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if self._budget is not None:
+            choice = self._choose(args, kwargs)
+            k = None if choice is None else choice.chunk_size
+            options = dataclasses.replace(self._options, chunk_size=k)
+            return dataclasses.replace(self, _options=options)(*args, **kwargs)
         if self._options.chunk_size is not None and not is_traced((self, args, kwargs)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
             return call_compiled(lambda _t: self._call(*_t), (args, kwargs))
@@ -140,7 +190,8 @@ class Jacobian(eqx.Module):
 
 def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
     """Checks the options and wraps `fun` in a `Jacobian`."""
-    check_chunking(options.chunk_size, options.remainder, options.api)
+    chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
+    options = dataclasses.replace(options, chunk_size=chunk_size)
     return eqx.module_update_wrapper(Jacobian(fun, options, rev))
 
 
@@ -148,7 +199,7 @@ def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[...,
 def chunked_jacrev(
     *,
     argnums: int | Sequence[int] = 0,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
@@ -162,7 +213,7 @@ def chunked_jacrev(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
@@ -179,7 +230,7 @@ def chunked_jacrev(
     fun: Callable[..., Any] = sentinel,
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     has_aux: bool = False,
     holomorphic: bool = False,
     allow_int: bool = False,
@@ -206,7 +257,10 @@ def chunked_jacrev(
         an int or a sequence of ints, as for `jax.jacrev`. Defaults to `0`.
     - `chunk_size`: keyword-only. The number of rows (elements of the flattened
         output) computed per step. `None` (the default), or any value at least the
-        output size, computes them all in one `vmap`, as `jax.jacrev`.
+        output size, computes them all in one `vmap`, as `jax.jacrev`. Or a
+        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen, as for
+        `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacrev`. Defaults to `False`.
@@ -268,7 +322,7 @@ def chunked_jacrev(
 def chunked_jacfwd(
     *,
     argnums: int | Sequence[int] = 0,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
@@ -281,7 +335,7 @@ def chunked_jacfwd(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int | None = None,
+    chunk_size: ChunkSizeSpec = None,
     has_aux: bool = False,
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
@@ -295,7 +349,7 @@ def chunked_jacfwd(
     fun: Callable[..., Any] = sentinel,
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int | None = None,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     has_aux: bool = False,
     holomorphic: bool = False,
     remainder: str = "overlap",
@@ -319,7 +373,9 @@ def chunked_jacfwd(
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
         differentiated arguments) computed per step. `None` (the default), or any
         value at least the input size, computes them all in one `vmap`, as
-        `jax.jacfwd`.
+        `jax.jacfwd`. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen, as for `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacfwd`. Defaults to `False`.

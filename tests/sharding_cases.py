@@ -191,6 +191,29 @@ def test_gradient_memory_is_bounded(getkey):
     assert temp_bytes(chunked) < temp_bytes(vmapped) / 4
 
 
+def test_memory_budget_is_per_device(getkey):
+    mesh = mesh_1d()
+    x = put(jr.normal(getkey(), (8 * 64, 32)), mesh, "batch")
+    f = lambda v: jnp.tanh(jnp.outer(v, v)) @ v
+
+    def bytes_at(k: Any) -> int:
+        chunked = fc.filter_chunked_vmap(f, chunk_size=k, spmd_axis_name="batch")
+        with jax.set_mesh(mesh):
+            analysis = jax.jit(chunked).lower(x).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+    # Between one element per chunk and the whole shard of 64, per device.
+    budget = (bytes_at(1) + bytes_at(None)) // 2
+    chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget(budget))
+    choice = fc.suggest_chunk_size(chunked, x)
+    assert 1 < choice.chunk_size < 64 and choice.budget == budget
+    assert bytes_at(choice.chunk_size) <= budget
+    actual = chunked(x)
+    assert same(actual, jax.vmap(f)(x))
+    assert split_like(actual, mesh, "batch")
+
+
 def mlp(w, x):
     return jnp.tanh(x @ w)
 

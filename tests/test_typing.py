@@ -71,8 +71,6 @@ def test_annotated_method(getkey):
 @pytest.mark.parametrize(
     "kwargs,name",
     (
-        (dict(chunk_size=2.0), "chunk_size"),
-        (dict(chunk_size="2"), "chunk_size"),
         (dict(axis_size=3.0), "axis_size"),
         (dict(remainder=1), "remainder"),
         (dict(axis_name=["i"]), "axis_name"),

@@ -1,0 +1,299 @@
+"""Memory budgets as a `chunk_size`: `MemoryBudget`, `"auto"`, what the device has
+free, and `suggest_chunk_size`. The search for the chunk size is in
+`_chunk_search.py`."""
+
+import math
+import operator
+import os
+import re
+from collections.abc import Callable
+from typing import Any, Literal, SupportsIndex, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+
+
+# "auto" budgets this share of the memory the device reports free: XLA's estimate
+# leaves out the allocator's fragmentation and what runs beside the call.
+AUTO_FRACTION = 0.8
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def format_bytes(num: int) -> str:
+    """`num` bytes in binary units, for messages (`"3.2 MiB"`)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num >= scale:
+            return f"{num / scale:.1f} {unit}"
+    return f"{num} B"
+
+
+def _parse_bytes(text: str) -> int:
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"`MemoryBudget({text!r})`: a size string is a number and a unit, such "
+            "as `'4GiB'`, `'512MiB'` or `'1.5GB'` (units B, KB, MB, GB, TB and "
+            "KiB, MiB, GiB, TiB)."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+class MemoryBudget(eqx.Module):
+    """A memory budget for a chunked call: give it as `chunk_size` to any chunked
+    transform, and the largest chunk size whose compiled program fits is chosen.
+
+    The budget bounds what the chunked call allocates beyond its arguments: XLA's
+    temporary plus output bytes (`memory_analysis()`) of the compiled program that
+    runs. Under `jax.grad`/`jax.vjp` that is the differentiated program (forward and
+    backward, with the transform's `checkpoint` setting). The chunk size is found
+    by compiling the call at a few chunk sizes on abstract shapes (usually four
+    compilations, at most ten) when the transform is first called with those
+    shapes, inside or outside `jax.jit`; the choice is cached, so later calls
+    compile nothing more for it.
+
+    **Arguments:**
+
+    - `size`: the budget, as one of
+        - an integer number of bytes, such as `2**30`;
+        - a string with a unit, such as `"4GiB"`, `"512MiB"` or `"1.5GB"` (decimal
+          units KB, MB, GB, TB are powers of 1000; binary KiB, MiB, GiB, TiB of
+          1024);
+        - a float in `(0, 1]`: that fraction of the memory the default device has
+          free when the call is traced (`bytes_limit - bytes_in_use` from
+          `jax.Device.memory_stats()` on an accelerator, the system's available
+          memory on CPU).
+
+    `chunk_size="auto"` is `MemoryBudget(0.8)`: 80% of the free memory, leaving
+    room for what XLA's estimate does not count (the allocator's fragmentation,
+    other live arrays).
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        def f(x):
+            return jnp.sum(jnp.tanh(jnp.outer(x, x)))  # a 256 x 256 temporary
+
+        xs = jnp.ones((1000, 256))
+        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("16MiB"))
+        assert jnp.allclose(chunked(xs), jnp.sum(jnp.tanh(1.0)) * 256**2)
+        choice = fc.suggest_chunk_size(chunked, xs)
+        assert choice.bytes <= 16 * 2**20
+        print(choice.chunk_size, choice.bytes)
+        ```
+    """
+
+    bytes: int | None = eqx.field(static=True)
+    fraction: float | None = eqx.field(static=True)
+
+    def __init__(self, size: Any):  # `int | float | str`, checked by value
+        if isinstance(size, str):
+            self.bytes, self.fraction = _parse_bytes(size), None
+        elif isinstance(size, bool) or not isinstance(
+            size, int | float | np.integer | np.floating
+        ):
+            raise TypeError(
+                "`MemoryBudget(size)` takes a number of bytes (an integer), a string "
+                "such as `'4GiB'`, or a fraction of the free memory (a float in "
+                f"`(0, 1]`), got {type(size).__name__} object {size!r}."
+            )
+        elif isinstance(size, float | np.floating):
+            if not 0 < size <= 1:
+                raise ValueError(
+                    "`MemoryBudget(size)` with a float is a fraction of the free "
+                    f"memory and must be in `(0, 1]`, got {size!r}. Give a number of "
+                    "bytes as an integer (`int(4e9)`) or a string (`'4GB'`)."
+                )
+            self.bytes, self.fraction = None, float(size)
+        else:
+            self.bytes, self.fraction = operator.index(size), None
+        if self.bytes is not None and self.bytes < 1:
+            raise ValueError(
+                f"`MemoryBudget(size)` must be at least one byte, got {size!r}."
+            )
+
+    def __repr__(self) -> str:
+        return f"MemoryBudget({self.fraction if self.bytes is None else self.bytes})"
+
+    def resolve(self) -> int:
+        """The budget in bytes (for a fraction, of the memory free now)."""
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None
+        # Round down to 1/32 of a power of two, so that a budget read from the
+        # free memory, which moves a little between calls, keeps its cache entry.
+        free = self.fraction * available_bytes()
+        step = 2 ** max(math.floor(math.log2(max(free, 1))) - 5, 0)
+        return max(int(free // step * step), 1)
+
+
+# What `chunk_size` accepts: an integer (anything `operator.index` takes), `None`,
+# `"auto"` or a `MemoryBudget`. Builders check it by value (`normalise_chunk_size`).
+ChunkSizeSpec: TypeAlias = int | SupportsIndex | Literal["auto"] | MemoryBudget | None
+
+
+def available_bytes(device: Any = None) -> int:
+    """The memory `device` (the default device) has free: `bytes_limit -
+    bytes_in_use` where JAX reports them, else the system's available memory."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | None":
+    """`chunk_size` as the transforms hold it, or the error for a bad one."""
+    if chunk_size is None or isinstance(chunk_size, MemoryBudget):
+        return chunk_size
+    if isinstance(chunk_size, str):
+        if chunk_size == "auto":
+            return MemoryBudget(AUTO_FRACTION)
+        raise ValueError(
+            f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, "
+            f"`'auto'` or a `filtered_chunk.MemoryBudget`, got {chunk_size!r}. For a "
+            f"memory budget write `chunk_size=fc.MemoryBudget({chunk_size!r})`."
+        )
+    is_bool = isinstance(chunk_size, bool | np.bool_)
+    if not is_bool and getattr(type(chunk_size), "__index__", None) is None:
+        raise TypeError(
+            f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, "
+            "`'auto'` or a `filtered_chunk.MemoryBudget`, got "
+            f"{type(chunk_size).__name__} object {chunk_size!r}."
+        )
+    # A bool is an int to Python, but never a size.
+    size = -1 if is_bool else operator.index(chunk_size)
+    if size < 1:
+        raise ValueError(
+            f"`{api}(..., chunk_size=...)` must be a positive integer or `None`, "
+            f"got {chunk_size!r}."
+        )
+    return size
+
+
+class ChunkSizeChoice(eqx.Module):
+    """What [`filtered_chunk.suggest_chunk_size`][] reports.
+
+    - `chunk_size`: the chosen chunk size: the largest measured to fit. It is the
+        batch size (or the number of Jacobian rows/columns) when the whole batch
+        fits, which evaluates it in one `vmap`.
+    - `bytes`: XLA's temporary plus output bytes of the program at that size.
+    - `budget`: the budget in bytes.
+    - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        f = lambda x: jnp.tanh(jnp.outer(x, x)) @ x
+        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("1MiB"))
+        choice = fc.suggest_chunk_size(chunked, jnp.ones((500, 64)))
+        for chunk_size, num_bytes in choice.tried:
+            fits = "fits" if num_bytes <= choice.budget else "too large"
+            print(f"chunk_size={chunk_size}: {num_bytes} bytes, {fits}")
+        assert (choice.chunk_size, choice.bytes) in choice.tried
+        ```
+    """
+
+    chunk_size: int
+    bytes: int
+    budget: int
+    tried: tuple[tuple[int, int], ...]
+
+
+def suggest_chunk_size(fun: Callable[..., Any], /, *args: Any, **kwargs: Any):
+    """Reports the chunk size a chunked transform built with a memory budget would
+    choose for these arguments, without running anything.
+
+    **Arguments:**
+
+    - `fun`: a chunked transform whose `chunk_size` is a
+        [`filtered_chunk.MemoryBudget`][] or `"auto"`, as built by
+        [`filtered_chunk.filter_chunked_vmap`][], `filter_chunked_apply`,
+        `chunked_jacrev`, `chunked_jacfwd`, `filter_chunked_jacrev` or
+        `filter_chunked_jacfwd`.
+    - `*args`, `**kwargs`: what `fun` would be called with. Arrays may be given as
+        `jax.ShapeDtypeStruct`s: only their shapes and dtypes are used. (Give
+        the arrays themselves for a batch split over devices: their sharding
+        makes the budget and `chunk_size` per device.)
+
+    **Returns:**
+
+    A [`filtered_chunk.ChunkSizeChoice`][]: the chosen `chunk_size`, its measured
+    `bytes`, the `budget` in bytes, and the `(chunk_size, bytes)` pairs `tried`.
+    The search is the one a call makes (for the program without differentiation),
+    and shares its cache: the call compiles nothing more to choose.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        def f(x):
+            return jnp.sum(jnp.tanh(jnp.outer(x, x)))
+
+        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("16MiB"))
+        xs = jax.ShapeDtypeStruct((100_000, 256), jnp.float32)
+        choice = fc.suggest_chunk_size(chunked, xs)
+        print(choice.chunk_size, choice.bytes, choice.tried)
+        assert choice.bytes <= choice.budget == 16 * 2**20
+        # Fix the number once: a plain `chunk_size` searches nothing.
+        fixed = fc.filter_chunked_vmap(f, chunk_size=choice.chunk_size)
+        ```
+    """
+    if isinstance(fun, eqx.Partial):  # a bound method: `self` comes first
+        args, fun = (*fun.args, *args), fun.func
+    choose = getattr(fun, "_choose", None)
+    budget = getattr(fun, "_budget", None)
+    if choose is None or not isinstance(budget, MemoryBudget):
+        raise TypeError(
+            "`suggest_chunk_size(fun, ...)` takes a chunked transform built with a "
+            "memory budget, such as `fc.filter_chunked_vmap(f, "
+            "chunk_size=fc.MemoryBudget('4GiB'))` or `chunk_size='auto'`, got "
+            f"{fun!r}."
+        )
+    found: list[ChunkSizeChoice | None] = []
+
+    def _choose(_args: Any, _kwargs: Any) -> None:
+        found.append(choose(_args, _kwargs))
+
+    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    if any(map(is_struct, jtu.tree_leaves((args, kwargs)))):
+        eqx.filter_eval_shape(_choose, args, kwargs)
+    else:
+        _choose(args, kwargs)  # concrete arrays keep their sharding
+    if found[0] is None:
+        raise ValueError(
+            "`suggest_chunk_size`: the call has no batch to split (nothing is "
+            "mapped, or the batch is empty), so there is no chunk size to choose."
+        )
+    return found[0]
