@@ -24,7 +24,13 @@ from ._axes import (
     resolve_axes,
 )
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
-from ._custom_types import AxisSpec, Remainder, sentinel
+from ._custom_types import (
+    AxisSpec,
+    keep_untraced,
+    Remainder,
+    sentinel,
+    unwrap_kept,
+)
 from ._eager import call_compiled, is_traced
 
 
@@ -79,6 +85,9 @@ def _chunk_fn(
     is_unbatched = jtu.tree_map(_is_none, axes, is_leaf=_is_none)
     unbatched, batched = eqx.partition(out, is_unbatched, is_leaf=_is_none)
     unbatched_arrays, rest = eqx.partition(unbatched, is_array)
+    # What no trace computed is returned as it is, as `fun` returned it.
+    unbatched_arrays, kept = keep_untraced(unbatched_arrays)
+    rest = eqx.combine(rest, kept)
     return ChunkOutput(batched, tuple(jtu.tree_leaves(axes)), unbatched_arrays, rest)
 
 
@@ -176,7 +185,7 @@ class _ChunkedApplyWrapper(eqx.Module):
             )
             if jtu.tree_leaves(out.unbatched):
                 _check_unbatched(chunk_fn, mapped, in_axes, self._chunk_size)
-        return eqx.combine(out.batched, out.unbatched, out.static)
+        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner

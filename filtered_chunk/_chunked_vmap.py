@@ -24,7 +24,13 @@ from ._axes import (
 )
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._collectives import collectives_over
-from ._custom_types import AxisSpec, Remainder, sentinel
+from ._custom_types import (
+    AxisSpec,
+    keep_untraced,
+    Remainder,
+    sentinel,
+    unwrap_kept,
+)
 from ._eager import call_compiled, is_traced
 from ._sharding import (
     BatchSharding,
@@ -146,7 +152,7 @@ class _ChunkedVmapWrapper(eqx.Module):
                 sharding=sharding,
                 api=_API,
             )
-        return eqx.combine(out.batched, out.unbatched, out.static)
+        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
     def _run(
         self, static: Any, in_axes: Any, mapped: Any, batch_size: int
@@ -262,6 +268,9 @@ def _chunk_fn(
         ) from None
     out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     out_static, out_axes = static.value
+    # What no trace computed is returned as it is (`jax.vmap` does the same).
+    out_unmapped, kept = keep_untraced(out_unmapped)
+    out_static = eqx.combine(out_static, kept)
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)

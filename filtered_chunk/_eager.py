@@ -8,6 +8,12 @@ is traced afresh every time (cheap), and the *compiled program* is cached on wha
 was traced: the jaxpr's text, the identity of every callable inside it (the text
 masks callbacks' addresses), and its constants' types. Constants (arrays `fun`
 closes over) are passed as arguments, so new values are used without recompiling.
+
+Outputs that the trace did not compute (a NumPy value `fun` returns with
+`out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does:
+only traced outputs go through the compiled program. The program runs under
+`eqx.filter_jit`, so that `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it
+does under `eqx.filter_jit`.
 """
 
 import collections
@@ -55,12 +61,39 @@ def _evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
     return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
 
+def _trace(
+    fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]
+) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
+    """Traces `fn(tree)` with `tree`'s arrays abstract.
+
+    Returns the jaxpr, the arrays it takes, and a function that builds `fn`'s
+    output from the jaxpr's outputs and the leaves the trace did not compute.
+    """
+    dynamic, static = eqx.partition(tree, eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    found: list[Any] = []
+
+    def _traced(*_leaves: Any) -> list[Any]:
+        out = fn(eqx.combine(jtu.tree_unflatten(treedef, _leaves), static))
+        out_leaves, out_treedef = jtu.tree_flatten(out)
+        traced = [isinstance(x, jax.core.Tracer) for x in out_leaves]
+        found[:] = [out_leaves, out_treedef, traced]
+        return [x for x, t in zip(out_leaves, traced) if t]
+
+    closed = jax.make_jaxpr(_traced)(*leaves)
+
+    def _rebuild(outputs: list[Any]) -> Any:
+        out_leaves, out_treedef, traced = found
+        computed = iter(outputs)
+        merged = [next(computed) if t else x for x, t in zip(out_leaves, traced)]
+        return jtu.tree_unflatten(out_treedef, merged)
+
+    return closed, leaves, _rebuild
+
+
 def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     """Evaluates `fn(tree)` as one compiled program, compiled once per program."""
-    dynamic, static = eqx.partition(tree, eqx.is_array)
-    closed, out_struct, out_static = eqx.filter_make_jaxpr(
-        lambda _dynamic: fn(eqx.combine(_dynamic, static))
-    )(dynamic)
+    closed, leaves, rebuild = _trace(fn, tree)
     if is_traced(closed.consts):
         return fn(tree)  # `fn` closes over an outer transformation's tracers
     try:
@@ -74,6 +107,4 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
         _programs.popitem(last=False)
-    flat = compiled(list(closed.consts), jtu.tree_leaves(dynamic))
-    out = jtu.tree_unflatten(jtu.tree_structure(out_struct), flat)
-    return eqx.combine(out, out_static)
+    return rebuild(compiled(list(closed.consts), leaves))
