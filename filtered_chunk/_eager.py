@@ -103,7 +103,7 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
         return fn(tree)  # no reliable key (an unhashable callable): run op by op
     compiled = _programs.pop(key, None)
     if compiled is None:
-        compiled = jax.jit(ft.partial(_evaluate, closed.jaxpr))
+        compiled = eqx.filter_jit(ft.partial(_evaluate, closed.jaxpr))
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
         _programs.popitem(last=False)

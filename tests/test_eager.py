@@ -46,3 +46,14 @@ def test_untraced_unmapped_outputs_come_back_as_they_are(value, chunk_size, rema
     actual = _apply(f, chunk_size, remainder, out_axes=out_axes)(x)
     assert tree_allclose(actual, expected)
     assert actual[1] is value
+
+
+@pytest.mark.parametrize("make", (_vmap, _apply))
+@pytest.mark.parametrize("chunk_size", (None, 3))
+def test_equinox_runtime_errors_surface(make, chunk_size):
+    f = lambda x: eqx.error_if(x, x > 5, "too big")
+    with pytest.raises(eqx.EquinoxRuntimeError, match="too big"):
+        eqx.filter_jit(eqx.filter_vmap(f))(jnp.arange(10.0))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="too big"):
+        make(f, chunk_size, "overlap")(jnp.arange(10.0))
+    assert tree_allclose(make(f, chunk_size, "overlap")(jnp.arange(5.0)), jnp.arange(5.0))
