@@ -21,7 +21,9 @@ from ._axes import (
     describe,
     is_array,
     normalise_in_axes,
+    raised_by_fun,
     resolve_axes,
+    run_tagged,
 )
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._custom_types import (
@@ -105,7 +107,8 @@ def _check_unbatched(
     paths: list[str] = []
 
     def _unbatched(_mapped: Any) -> list[Any]:
-        leaves = jtu.tree_leaves_with_path(chunk_fn(_mapped, chunk_size).unbatched)
+        out = run_tagged(chunk_fn, _mapped, chunk_size)
+        leaves = jtu.tree_leaves_with_path(out.unbatched)
         paths[:] = [describe("output", path) for path, _ in leaves]
         return [x for _, x in leaves]
 
@@ -118,10 +121,11 @@ def _check_unbatched(
     try:
         jax.eval_shape(jax.vmap(_unbatched, out_axes=None), structs)
     except ValueError as e:
-        if "but output was batched" not in str(e):
+        if raised_by_fun(e) or "but output was batched" not in str(e):
             raise
         match = re.search(r"out_axes\[(\d+)\]", str(e))
-        where = f"`{paths[int(match.group(1))]}`" if match else "an output"
+        index = int(match.group(1)) if match else len(paths)
+        where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it depends "
             "on the mapped inputs, so each chunk would compute a different value. "

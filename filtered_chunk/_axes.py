@@ -21,6 +21,31 @@ def is_array(x: Any) -> bool:
     return eqx.is_array(x)
 
 
+_FROM_FUN = "_filtered_chunk_raised_by_fun"
+
+
+def run_tagged(fun: Callable[..., Any], *args: Any) -> Any:
+    """`fun(*args)`, marking any exception it raises as the function's own.
+
+    A transform rewrites the errors of its own `jax.vmap` (about its out axes);
+    the mark keeps it from rewriting an error that `fun` raised, such as one from a
+    `jax.vmap` inside `fun`.
+    """
+    try:
+        return fun(*args)
+    except Exception as e:
+        try:
+            setattr(e, _FROM_FUN, True)
+        except AttributeError:
+            pass  # an exception type with `__slots__`: not rewritten either way
+        raise
+
+
+def raised_by_fun(e: BaseException) -> bool:
+    """Whether `run_tagged` saw `e` come out of the function it ran."""
+    return getattr(e, _FROM_FUN, False)
+
+
 def describe(argname: str, path: tuple[Any, ...]) -> str:
     """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`.
 

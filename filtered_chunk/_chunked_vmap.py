@@ -20,7 +20,9 @@ from ._axes import (
     describe,
     is_array,
     normalise_in_axes,
+    raised_by_fun,
     resolve_axes,
+    run_tagged,
 )
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._collectives import collectives_over
@@ -242,7 +244,7 @@ def _chunk_fn(
     def _flat_unmapped(_mapped: Any) -> tuple[Any, ...]:
         # The unmapped arrays go first, as a flat list: JAX's key path for an
         # output that varies is off once the output holds `None`s, its index is not.
-        _out_mapped, _out_unmapped, _static = element(_mapped)
+        _out_mapped, _out_unmapped, _static = run_tagged(element, _mapped)
         leaves, treedef = jtu.tree_flatten_with_path(_out_unmapped)
         paths[:] = [describe("output", path) for path, _ in leaves]
         return [x for _, x in leaves], _out_mapped, _static, Static(treedef)
@@ -257,10 +259,11 @@ def _chunk_fn(
     try:
         unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
-        if "but output was batched" not in str(e):
+        if raised_by_fun(e) or "but output was batched" not in str(e):
             raise
         match = re.search(r"out_axes\[0\]\[(\d+)\]", str(e))
-        where = f"`{paths[int(match.group(1))]}`" if match else "an output"
+        index = int(match.group(1)) if match else len(paths)
+        where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
             "over the batch. An output marked `None` must not depend on the mapped "

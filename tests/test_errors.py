@@ -3,6 +3,7 @@
 import functools as ft
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,6 +115,25 @@ _PARITY = [
         )(_x),
         ValueError,
         r"gives `None` for `output\['b'\]\[0\]`, but it varies over the batch",
+    ),
+    (
+        # Errors from a `vmap` inside `fun` are the user's: never rewritten.
+        "inner-filter_vmap-out_axes",
+        lambda vmap: vmap(
+            lambda x: eqx.filter_vmap(lambda y: (y * x, y), out_axes=(None, 0))(
+                jnp.ones(2)
+            )
+        )(jnp.arange(10.0)),
+        ValueError,
+        r"^at vmap out_axes\[0\]\[1\], got axis spec None but output was batched",
+    ),
+    (
+        "inner-jax-vmap-out_axes",
+        lambda vmap: vmap(
+            lambda x: jax.vmap(lambda y: y * x, out_axes=None)(jnp.ones(2))
+        )(jnp.arange(10.0)),
+        ValueError,
+        r"^at vmap out_axes, got axis spec None but output was batched on axis 0",
     ),
     (
         "nothing-mapped",
