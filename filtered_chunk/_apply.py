@@ -8,6 +8,7 @@ from typing import Any, overload
 import equinox as eqx
 import jax
 import jax.core
+import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -91,6 +92,104 @@ def _chunk_fn(
     unbatched_arrays, kept = keep_untraced(unbatched_arrays)
     rest = eqx.combine(rest, kept)
     return ChunkOutput(batched, tuple(jtu.tree_leaves(axes)), unbatched_arrays, rest)
+
+
+def _program(closed: Any, index: int) -> tuple[str, list[Any]]:
+    """The part of `closed` that computes its output `index`: its text and the
+    constants it reads."""
+    jaxpr = closed.jaxpr
+    needed = {v for v in jaxpr.outvars[index : index + 1] if isinstance(v, jex.Var)}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    used = [i for i, v in enumerate(jaxpr.constvars) if v in needed]
+    part = jaxpr.replace(
+        constvars=[jaxpr.constvars[i] for i in used],
+        invars=[v for v in jaxpr.invars if v in needed],
+        outvars=[jaxpr.outvars[index]],
+        eqns=eqns[::-1],
+        debug_info=jaxpr.debug_info.with_unknown_names(),
+    )
+    return str(part), [closed.consts[i] for i in used]
+
+
+_VALUES = (np.ndarray, np.generic, jax.Array, bool, int, float, complex, str, bytes)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Whether two traces' constants (or static outputs) are the same value.
+
+    Only values that compare by value are compared: two new objects without
+    `__eq__` would differ though nothing depends on the chunk's size.
+    """
+    if x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+        return True  # an outer tracer: the same one, or unknowable
+    if not isinstance(x, _VALUES) or not isinstance(y, _VALUES):
+        return True
+    return bool(eqx.tree_equal(x, y, typematch=True))
+
+
+def _check_contract(
+    chunk_fn: Callable[[Any, int], ChunkOutput],
+    mapped: Any,
+    in_axes: Any,
+    chunk_size: int,
+) -> None:
+    """Raises if `fun` breaks its contract, which chunking cannot see otherwise.
+
+    `fun` is traced (abstractly) on chunks of two sizes. At each, every batched
+    output must hold the chunk's elements along its out axis (`_out_axes` checks
+    it: `x.T` has the chunk along axis 0 for a square chunk only), and each output
+    marked `None` must be computed in the same way from the same constants: one
+    that reads the chunk's size (`x.shape[0]`) would differ from the unchunked
+    result.
+    """
+    traces = []
+    for size in (chunk_size, chunk_size + 1):
+
+        def _unbatched(_mapped: Any, size: int = size) -> list[Any]:
+            out = chunk_fn(_mapped, size)
+            leaves = jtu.tree_leaves_with_path(out.unbatched)
+            traces.append(([p for p, _ in leaves], out.static))
+            return [x for _, x in leaves]
+
+        structs = jtu.tree_map(ft.partial(_chunk_struct, size), in_axes, mapped)
+        closed = jax.make_jaxpr(_unbatched)(structs)
+        paths, static = traces.pop()
+        programs = [_program(closed, i) for i in range(len(paths))]
+        traces.append((paths, programs, unwrap_kept(static)))
+    (paths, programs, static), (paths2, programs2, static2) = traces
+    different = [
+        path
+        for path, (text, consts), (text2, consts2) in zip(paths, programs, programs2)
+        if text != text2 or not all(map(_same_value, consts, consts2))
+    ]
+    if paths:
+        # An output that depends on the elements says so more precisely.
+        _check_unbatched(chunk_fn, mapped, in_axes, chunk_size)
+    if paths != paths2 or jtu.tree_structure(static) != jtu.tree_structure(static2):
+        different.append(())
+    else:
+        pairs = zip(jtu.tree_leaves_with_path(static), jtu.tree_leaves(static2))
+        different += [p for (p, x), y in pairs if not _same_value(x, y)]
+    if different:
+        where = describe("output", different[0])
+        raise ValueError(
+            f"`{_API}(..., out_axes=...)` gives `None` for `{where}`, but it "
+            "depends on the number of elements `fun` is called on: it differs "
+            f"between chunks of {chunk_size} and {chunk_size + 1} elements, so "
+            "chunking would change it. An output marked `None` must not depend on "
+            "the batch; give it the integer axis along which `fun` returns the "
+            "batch instead, or compute it outside `fun`."
+        )
+
+
+def _chunk_struct(size: int, axis: int, x: Any) -> jax.ShapeDtypeStruct:
+    shape = list(np.shape(x))
+    shape[axis] = size
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
 
 def _check_unbatched(
@@ -178,6 +277,7 @@ class _ChunkedApplyWrapper(eqx.Module):
             out = chunk_fn(mapped, batch_size)
         else:
             assert self._chunk_size is not None
+            _check_contract(chunk_fn, mapped, in_axes, self._chunk_size)
             out = run_in_chunks(
                 chunk_fn,
                 mapped,
@@ -187,8 +287,6 @@ class _ChunkedApplyWrapper(eqx.Module):
                 remainder=self._remainder,
                 checkpoint=self._checkpoint,
             )
-            if jtu.tree_leaves(out.unbatched):
-                _check_unbatched(chunk_fn, mapped, in_axes, self._chunk_size)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
