@@ -258,18 +258,17 @@ class _ChunkedApplyWrapper(eqx.Module):
             return self._fun(*args, **kwargs)  # nothing to split
         if self._chunked(batch_size) and not is_traced((self, tree)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
-            return call_compiled(lambda _tree: self._call(_tree, spec), tree)
-        return self._call(tree, spec)
+            # The axes are resolved here, once, on the caller's leaves: inside,
+            # every array is a tracer.
+            return call_compiled(
+                lambda _tree: self._call(_tree, in_axes, batch_size), tree
+            )
+        return self._call(tree, in_axes, batch_size)
 
     def _chunked(self, batch_size: int) -> bool:
         return self._chunk_size is not None and self._chunk_size < batch_size
 
-    def _call(self, tree: Any, spec: Any) -> Any:
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, None, _API)
-        assert batch_size is not None
+    def _call(self, tree: Any, in_axes: Any, batch_size: int) -> Any:
         is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
         static, mapped = eqx.partition(tree, is_unmapped)
         chunk_fn = ft.partial(_chunk_fn, self._fun, self._out_axes, static)

@@ -51,9 +51,17 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _split_output(out: PyTree[Any], out_axes: PyTree[AxisSpec]) -> tuple[Any, ...]:
+def _split_output(
+    out: PyTree[Any], out_axes: PyTree[AxisSpec], batch_known: bool = True
+) -> tuple[Any, ...]:
     """Splits `fun`'s output into mapped arrays, unmapped arrays, and the rest."""
     axes = resolve_axes(out, out_axes, "out_axes")
+    if not batch_known and jtu.tree_leaves(axes):
+        # Before looking at the leaves, as `eqx.filter_vmap` does.
+        raise ValueError(
+            "Cannot resolve batch dimension. Non-`None` `out_axes` requires "
+            "either `in_axes` or `axis_size` to be not `None`."
+        )
 
     def _check(path: tuple[Any, ...], axis: int | None, leaf: Any) -> int | None:
         if axis is None:
@@ -115,25 +123,28 @@ class _ChunkedVmapWrapper(eqx.Module):
         if chunked and not is_traced((self, tree)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`. Once
             # traced, the inputs' shardings are hidden, so look at them now.
+            # The axes are resolved here, once, on the caller's leaves (as
+            # `eqx.filter_vmap` does): inside, every array is a tracer.
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-            return call_compiled(lambda _tree: self._call(_tree, spec, sharding), tree)
-        return self._call(tree, spec)
+            return call_compiled(
+                lambda _tree: self._call(_tree, in_axes, batch_size, sharding), tree
+            )
+        return self._call(tree, in_axes, batch_size)
 
-    def _call(self, tree: Any, spec: Any, sharding: BatchSharding | None = None) -> Any:
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+    def _call(
+        self,
+        tree: Any,
+        in_axes: Any,
+        batch_size: int | None,
+        sharding: BatchSharding | None = None,
+    ) -> Any:
         is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
         static, mapped = eqx.partition(tree, is_unmapped)
         _element = ft.partial(_evaluate, self._fun, self._out_axes, static)
         if batch_size is None:
-            out_mapped, out_unmapped, out_static = _element(mapped)
-            if jtu.tree_leaves(out_mapped):
-                raise ValueError(
-                    "Cannot resolve batch dimension. Non-`None` `out_axes` requires "
-                    "either `in_axes` or `axis_size` to be not `None`."
-                )
+            out_mapped, out_unmapped, out_static = _evaluate(
+                self._fun, self._out_axes, static, mapped, batch_known=False
+            )
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
         if sharding is None:
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
@@ -209,11 +220,15 @@ class _ChunkedVmapWrapper(eqx.Module):
 
 
 def _evaluate(
-    fun: Callable[..., Any], out_axes: Any, static: Any, mapped: Any
+    fun: Callable[..., Any],
+    out_axes: Any,
+    static: Any,
+    mapped: Any,
+    batch_known: bool = True,
 ) -> tuple[Any, ...]:
     """`fun` on one element (the mapped leaves `mapped`), its output split."""
     _args, _kwargs = eqx.combine(mapped, static)
-    return _split_output(fun(*_args, **_kwargs), out_axes)
+    return _split_output(fun(*_args, **_kwargs), out_axes, batch_known)
 
 
 def _run_local(
@@ -453,10 +468,9 @@ def _check_arguments(
     remainder: str,
 ) -> None:
     check_chunking(chunk_size, remainder, _API)
-    if axis_size is not None and (isinstance(axis_size, bool) or axis_size < 0):
-        raise ValueError(
-            f"`{_API}(..., axis_size=...)` must be a non-negative integer or `None`, "
-            f"got {axis_size!r}."
-        )
+    # `axis_size` is checked where it is used, as by `jax.vmap`: a negative one
+    # is inconsistent with a mapped input (`ValueError`) or cannot be broadcast to
+    # (`TypeError`), and a bool is the int it is.
+    del axis_size
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")
