@@ -1,7 +1,6 @@
 """Eager (outside `jit`) chunked calls: what they return, raise and compile."""
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,4 +55,6 @@ def test_equinox_runtime_errors_surface(make, chunk_size):
         eqx.filter_jit(eqx.filter_vmap(f))(jnp.arange(10.0))
     with pytest.raises(eqx.EquinoxRuntimeError, match="too big"):
         make(f, chunk_size, "overlap")(jnp.arange(10.0))
-    assert tree_allclose(make(f, chunk_size, "overlap")(jnp.arange(5.0)), jnp.arange(5.0))
+    assert tree_allclose(
+        make(f, chunk_size, "overlap")(jnp.arange(5.0)), jnp.arange(5.0)
+    )
