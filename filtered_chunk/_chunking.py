@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
+from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
 from ._derivatives import checkpointed, scan_chunks
 
 
@@ -38,18 +38,18 @@ class ChunkOutput(NamedTuple):
     static: Any
 
 
-ChunkFn = Callable[[PyTree[Array], int], ChunkOutput]
+ChunkFn = Callable[[PyTree[InputArray], int], ChunkOutput]
 
 
 def slice_inputs(
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     in_axes: PyTree[int | None],
     start: Int[Array, ""] | int,
     size: int,
 ) -> PyTree[Array]:
     """Slices `size` elements starting at `start` along each leaf's mapped axis."""
 
-    def _slice(axis: int, x: Array) -> Array:
+    def _slice(axis: int, x: InputArray) -> Array:
         return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
     return jtu.tree_map(_slice, in_axes, inputs)
@@ -141,7 +141,7 @@ def check_chunking(chunk_size: int | None, remainder: str, api: str) -> None:
 
 def run_in_chunks(
     chunk_fn: ChunkFn,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     in_axes: PyTree[int | None],
     *,
     batch_size: int,
@@ -159,8 +159,8 @@ def run_in_chunks(
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
 
-    def _step(size: int) -> Callable[[PyTree[Array], Any], tuple[Any, Any]]:
-        def _arrays(_inputs: PyTree[Array], start: Any) -> tuple[Any, Any]:
+    def _step(size: int) -> Callable[[PyTree[InputArray], Any], tuple[Any, Any]]:
+        def _arrays(_inputs: PyTree[InputArray], start: Any) -> tuple[Any, Any]:
             # Slice inside the checkpointed region, so that reverse mode saves the
             # (already live) inputs rather than a copy of every chunk.
             out = chunk_fn(slice_inputs(_inputs, in_axes, start, size), size)

@@ -4,6 +4,8 @@ from typing import Any, Literal, TypeAlias
 import jax
 import jax.core
 import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array
 
 
 ResolvedAxisSpec: TypeAlias = int | None
@@ -12,6 +14,9 @@ Remainder: TypeAlias = Literal["overlap", "separate"]
 # `True`/`False`, or a `jax.checkpoint_policies` policy.
 CheckpointSpec: TypeAlias = bool | Callable[..., Any]
 REMAINDERS: tuple[str, ...] = ("overlap", "separate")
+# A mapped input as the caller passed it: a NumPy array stays one until a chunk is
+# sliced out of it (under an outer `jit` it is a constant, not a tracer).
+InputArray: TypeAlias = Array | np.ndarray
 
 
 class _Sentinel:
