@@ -5,9 +5,27 @@ JAX caches compilations by jaxpr identity). Wrapping the call in `jax.jit` would
 on the identity of the Python function instead, and so silently reuse whatever
 values `fun` read from its closure or from globals on the first call. Here the call
 is traced afresh every time (cheap), and the *compiled program* is cached on what
-was traced: the jaxpr's text, the identity of every callable inside it (the text
-masks callbacks' addresses), and its constants' types. Constants (arrays `fun`
-closes over) are passed as arguments, so new values are used without recompiling.
+was traced: the jaxpr's text, its constants' types, and what the text does not
+show (see `_key`):
+
+- callables in equation parameters (callbacks): a function by its code, globals
+  and what it closes over (recursively, values of builtin types by value and
+  anything else by identity), so that the new lambda or JAX wrapper each trace
+  makes still hits, while one closing over a new value misses;
+- constants of inner programs (an inner `jit` closing over an array): a
+  `jax.Array` by identity, a (mutable) NumPy array by value;
+- not the derivative rules of `custom_vjp`/`custom_jvp` calls: a cached program is
+  only evaluated, never differentiated, so only their primal runs.
+
+Objects compared by identity are held by the key, so their `id` is never reused
+while it is cached; no user-defined `__eq__` is ever called. Constants (arrays
+`fun` closes over) are passed as arguments, so new values are used without
+recompiling.
+
+`jax.grad` of an eager chunked call cannot use this cache: its inputs are tracers,
+so the loop runs op by op and JAX compiles the scan (whose jaxpr is new on every
+call) each time, as it does for any eager `lax.scan` under `jax.grad`. Wrap the
+gradient in `jax.jit` (or `eqx.filter_jit`) to compile it once.
 
 Outputs that the trace did not compute (a NumPy value `fun` returns with
 `out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does:
@@ -17,7 +35,9 @@ does under `eqx.filter_jit`.
 """
 
 import collections
+import dataclasses
 import functools as ft
+import types
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -26,6 +46,7 @@ import jax
 import jax.core
 import jax.extend.core as jex
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 
@@ -40,21 +61,100 @@ def is_traced(tree: PyTree[Any]) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
 
 
-class _InnerConstants(Exception):
-    pass
+class _Same:
+    """An object in a cache key, compared by identity. It holds a reference, so
+    the object's `id` cannot be reused while the key exists."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
-def _callables(jaxpr: Any) -> Iterator[Any]:
-    """The callables in `jaxpr`'s parameters, which its text does not identify."""
+# Parameters that only differentiation reads. A cached program is only ever
+# evaluated (an eager call has no tracers), so only `call_jaxpr` runs: the rules
+# (new closures on every trace, such as those `eqx.internal.while_loop` makes) may
+# differ between traces without changing the program.
+_DIFFERENTIATION_ONLY = {
+    "custom_vjp_call": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
+    "custom_jvp_call": ("jvp_jaxpr_fun", "jvp_jaxpr_thunk"),
+}
+_MAX_DEPTH = 8
+_EXACT = (type(None), bool, int, str, bytes)
+
+
+def _value_key(x: Any, depth: int = 0) -> Hashable:
+    """A key equal for two values only if they behave the same in a program.
+
+    Functions (a new lambda on every trace, the closures JAX wraps callbacks in)
+    are keyed on their code and what they close over; builtin values and
+    containers on their value; anything else on its identity, so that a
+    user-defined `__eq__` is never trusted.
+    """
+    if depth > _MAX_DEPTH:
+        return _Same(x)
+    key = ft.partial(_value_key, depth=depth + 1)
+    if type(x) in _EXACT:
+        return (type(x), x)
+    if type(x) in (float, complex):
+        return (type(x), repr(x))  # `-0.0 == 0.0`, but they differ
+    if type(x) in (tuple, list):
+        return (type(x), tuple(map(key, x)))
+    if type(x) is dict:
+        return (dict, tuple((key(k), key(v)) for k, v in x.items()))
+    if isinstance(x, jtu.PyTreeDef):
+        return (jtu.PyTreeDef, x)  # what `jax.jit` itself compares by value
+    if isinstance(x, np.ndarray | np.generic):
+        return (np.ndarray, x.dtype, x.shape, x.tobytes())  # mutable: by value
+    if isinstance(x, types.FunctionType):
+        cells = tuple(_cell_key(c, depth) for c in x.__closure__ or ())
+        defaults = key(x.__defaults__), key(x.__kwdefaults__), key(x.__dict__)
+        return (_Same(x.__code__), _Same(x.__globals__), cells, defaults)
+    if isinstance(x, types.MethodType):
+        return (types.MethodType, key(x.__func__), _Same(x.__self__))
+    if isinstance(x, ft.partial):
+        return (ft.partial, key(x.func), key(x.args), key(x.keywords))
+    if dataclasses.is_dataclass(x) and type(x).__module__.startswith("jax."):
+        # JAX's own wrappers, such as the one around a `pure_callback`'s function.
+        fields = dataclasses.fields(x)
+        return (type(x), tuple(key(getattr(x, f.name)) for f in fields))
+    return _Same(x)
+
+
+def _cell_key(cell: Any, depth: int) -> Hashable:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # an empty cell
+        return ()
+    return (_value_key(contents, depth + 1),)
+
+
+def _const_key(x: Any) -> Hashable:
+    """An inner program's constant (an inner `jit` closing over an array) is part
+    of the compiled program: a `jax.Array` is immutable, so its identity tells."""
+    return _value_key(x) if isinstance(x, np.ndarray | np.generic) else _Same(x)
+
+
+def _key(jaxpr: Any) -> Iterator[Hashable]:
+    """What identifies `jaxpr` as a program beyond its text, which masks callables
+    (callbacks' addresses) and the values of inner programs' constants."""
     for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            if isinstance(value, jex.ClosedJaxpr) and value.consts:
-                # Constants that JAX did not hoist are not in the key: don't cache.
-                raise _InnerConstants
-            if callable(value) and not isinstance(value, jex.Jaxpr | jex.ClosedJaxpr):
-                yield value
+        skip = _DIFFERENTIATION_ONLY.get(eqn.primitive.name, ())
+        for name, value in eqn.params.items():
+            if name in skip:
+                continue
+            if isinstance(value, jex.ClosedJaxpr):
+                yield tuple(map(_const_key, value.consts))
+            elif callable(value) and not isinstance(value, jex.Jaxpr):
+                yield _value_key(value)
         for sub in jex.jaxprs_in_params(eqn.params):
-            yield from _callables(sub)
+            yield from _key(sub)
 
 
 def _evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
@@ -97,10 +197,10 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     if is_traced(closed.consts):
         return fn(tree)  # `fn` closes over an outer transformation's tracers
     try:
-        key = (str(closed.jaxpr), tuple(_callables(closed.jaxpr)))
+        key = (str(closed.jaxpr), tuple(_key(closed.jaxpr)))
         hash(key)
-    except (TypeError, _InnerConstants):
-        return fn(tree)  # no reliable key (an unhashable callable): run op by op
+    except TypeError:
+        return fn(tree)  # no reliable key (an unhashable value): run op by op
     compiled = _programs.pop(key, None)
     if compiled is None:
         compiled = eqx.filter_jit(ft.partial(_evaluate, closed.jaxpr))
