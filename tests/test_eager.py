@@ -186,3 +186,22 @@ def test_custom_rules_stay_out_of_the_key_but_the_primal_does_not():
             grad(ft.partial(fc.filter_chunked_vmap, chunk_size=2)),
             grad(eqx.filter_vmap),
         )
+
+
+_JACOBIANS = {
+    "jacfwd": (fc.chunked_jacfwd, jax.jacfwd),
+    "jacrev": (fc.chunked_jacrev, jax.jacrev),
+    "filter_jacfwd": (fc.filter_chunked_jacfwd, jax.jacfwd),
+    "filter_jacrev": (fc.filter_chunked_jacrev, jax.jacrev),
+}
+
+
+@pytest.mark.parametrize("chunk_size", (None, 2))
+@pytest.mark.parametrize("ours, oracle", _JACOBIANS.values(), ids=_JACOBIANS.keys())
+def test_untraced_aux_comes_back_as_it_is(ours, oracle, chunk_size):
+    f = lambda x: (x**2, (np.float64(1e-12), jnp.sum(x)))
+    x = jnp.linspace(0.0, 1.0, 5)
+    expected = oracle(f, has_aux=True)(x)
+    actual = ours(f, has_aux=True, chunk_size=chunk_size)(x)
+    assert tree_allclose(actual, expected)
+    assert type(actual[1][0]) is np.float64
