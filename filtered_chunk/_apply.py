@@ -358,8 +358,12 @@ def filter_chunked_apply(
         everything else is passed as it is.
     - `out_axes`: keyword-only. Where the batch lies in each output of `fun`
         (negative axes count from the end). An array output marked `None` has no
-        batch axis: it must not depend on the batch (a `ValueError` says so if it
-        does) and is returned once. Defaults to `equinox.if_array(0)`.
+        batch axis: it must not depend on the batch, nor on the number of
+        elements `fun` is called on (such as `x.shape[0]`), and is returned once.
+        Before the loop, `fun` is traced (abstractly) on chunks of two sizes: a
+        `ValueError` names any output that breaks this, or whose `out_axes` axis
+        does not hold the chunk's elements at both. Defaults to
+        `equinox.if_array(0)`.
     - `chunk_size`: keyword-only. The number of batch elements per call of `fun`.
         `None` (the default), or any value at least the batch size, calls `fun`
         once on the whole batch.
