@@ -9,9 +9,10 @@ was traced: the jaxpr's text, its constants' types, and what the text does not
 show (see `_key`):
 
 - callables in equation parameters (callbacks): a function by its code, globals
-  and what it closes over (recursively, values of builtin types by value and
-  anything else by identity), so that the new lambda or JAX wrapper each trace
-  makes still hits, while one closing over a new value misses;
+  and what it closes over (recursively, immutable builtin values by value and
+  anything else, mutable lists and arrays included, by identity), so that the new
+  lambda or JAX wrapper each trace makes still hits, while one closing over a new
+  value or object misses;
 - constants of inner programs (an inner `jit` closing over an array): a
   `jax.Array` by identity, a (mutable) NumPy array by value;
 - not the derivative rules of `custom_vjp`/`custom_jvp` calls: a cached program is
@@ -89,13 +90,16 @@ _MAX_DEPTH = 8
 _EXACT = (type(None), bool, int, str, bytes)
 
 
-def _value_key(x: Any, depth: int = 0) -> Hashable:
+def _value_key(x: Any, depth: int = 0, trusted: bool = False) -> Hashable:
     """A key equal for two values only if they behave the same in a program.
 
     Functions (a new lambda on every trace, the closures JAX wraps callbacks in)
-    are keyed on their code and what they close over; builtin values and
-    containers on their value; anything else on its identity, so that a
-    user-defined `__eq__` is never trusted.
+    are keyed on their code and what they close over; immutable builtin values
+    on their value; anything else on its identity, so that a user-defined
+    `__eq__` is never trusted. A callback runs the *cached* program's function,
+    so a mutable object it closes over (a list it appends to, a NumPy buffer) must
+    be the very same object: by identity, except in the `trusted` closures JAX
+    itself makes, whose containers it never changes.
     """
     if depth > _MAX_DEPTH:
         return _Same(x)
@@ -104,22 +108,25 @@ def _value_key(x: Any, depth: int = 0) -> Hashable:
         return (type(x), x)
     if type(x) in (float, complex):
         return (type(x), repr(x))  # `-0.0 == 0.0`, but they differ
-    if type(x) in (tuple, list):
-        return (type(x), tuple(map(key, x)))
-    if type(x) is dict:
-        return (dict, tuple((key(k), key(v)) for k, v in x.items()))
+    if type(x) is tuple:
+        return (tuple, tuple(map(key, x)))
+    if trusted and type(x) in (list, dict):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        return (type(x), tuple((key(k), key(v)) for k, v in items))
     if isinstance(x, jtu.PyTreeDef):
         return (jtu.PyTreeDef, x)  # what `jax.jit` itself compares by value
-    if isinstance(x, np.ndarray | np.generic):
-        return (np.ndarray, x.dtype, x.shape, x.tobytes())  # mutable: by value
     if isinstance(x, types.FunctionType):
-        cells = tuple(_cell_key(c, depth) for c in x.__closure__ or ())
-        defaults = key(x.__defaults__), key(x.__kwdefaults__), key(x.__dict__)
+        jax_own = x.__module__.startswith("jax.")
+        cells = tuple(_cell_key(c, depth, jax_own) for c in x.__closure__ or ())
+        # Each function has its own `__dict__` and `__kwdefaults__`: their items.
+        extra = x.__dict__, x.__kwdefaults__ or {}
+        defaults = (key(x.__defaults__), *(key(tuple(d.items())) for d in extra))
         return (_Same(x.__code__), _Same(x.__globals__), cells, defaults)
     if isinstance(x, types.MethodType):
         return (types.MethodType, key(x.__func__), _Same(x.__self__))
     if isinstance(x, ft.partial):
-        return (ft.partial, key(x.func), key(x.args), key(x.keywords))
+        keywords = key(tuple(x.keywords.items()))
+        return (ft.partial, key(x.func), key(x.args), keywords)
     if dataclasses.is_dataclass(x) and type(x).__module__.startswith("jax."):
         # JAX's own wrappers, such as the one around a `pure_callback`'s function.
         fields = dataclasses.fields(x)
@@ -127,18 +134,21 @@ def _value_key(x: Any, depth: int = 0) -> Hashable:
     return _Same(x)
 
 
-def _cell_key(cell: Any, depth: int) -> Hashable:
+def _cell_key(cell: Any, depth: int, trusted: bool) -> Hashable:
     try:
         contents = cell.cell_contents
     except ValueError:  # an empty cell
         return ()
-    return (_value_key(contents, depth + 1),)
+    return (_value_key(contents, depth + 1, trusted),)
 
 
 def _const_key(x: Any) -> Hashable:
     """An inner program's constant (an inner `jit` closing over an array) is part
     of the compiled program: a `jax.Array` is immutable, so its identity tells."""
-    return _value_key(x) if isinstance(x, np.ndarray | np.generic) else _Same(x)
+    if isinstance(x, np.ndarray | np.generic):
+        # Copied into the compiled program: its value now is what runs.
+        return (np.ndarray, x.dtype, x.shape, x.tobytes())
+    return _Same(x)
 
 
 def _key(jaxpr: Any) -> Iterator[Hashable]:

@@ -205,3 +205,29 @@ def test_untraced_aux_comes_back_as_it_is(ours, oracle, chunk_size):
     actual = ours(f, has_aux=True, chunk_size=chunk_size)(x)
     assert tree_allclose(actual, expected)
     assert type(actual[1][0]) is np.float64
+
+
+def test_callbacks_never_write_into_a_previous_calls_objects():
+    # A callback that appends to (or writes into) what it closes over must be this
+    # call's callback: equal contents (two empty lists) are not the same object.
+    x = jnp.linspace(0.0, 1.0, 15).reshape(5, 3)
+
+    def make():
+        log, buffer = [], np.zeros(3)
+
+        def callback(v):
+            log.append(None)
+            buffer[:] = np.asarray(v)
+            return np.asarray(v) * 2
+
+        def fun(x):
+            shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            return jax.pure_callback(callback, shape, x, vmap_method="sequential")
+
+        return fun, log, buffer
+
+    for _ in range(3):
+        fun, log, buffer = make()
+        out = fc.filter_chunked_vmap(fun, chunk_size=2)(x)
+        assert tree_allclose(out, x * 2)
+        assert len(log) >= 5 and np.all(buffer != 0.0)
