@@ -9,6 +9,7 @@ from typing import Any, overload
 import equinox as eqx
 import jax
 import jax.core
+import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -22,7 +23,9 @@ from ._axes import (
     describe,
     is_array,
     normalise_in_axes,
+    raised_by_fun,
     resolve_axes,
+    run_tagged,
 )
 from ._boundary import api_boundary, keyword_only
 from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
@@ -34,7 +37,13 @@ from ._chunking import (
     ChunkSize,
     run_in_chunks,
 )
-from ._custom_types import AxisSpec, Remainder, sentinel
+from ._custom_types import (
+    AxisSpec,
+    keep_untraced,
+    Remainder,
+    sentinel,
+    unwrap_kept,
+)
 from ._eager import call_compiled, is_traced
 
 
@@ -89,7 +98,108 @@ def _chunk_fn(
     is_unbatched = jtu.tree_map(_is_none, axes, is_leaf=_is_none)
     unbatched, batched = eqx.partition(out, is_unbatched, is_leaf=_is_none)
     unbatched_arrays, rest = eqx.partition(unbatched, is_array)
+    # What no trace computed is returned as it is, as `fun` returned it.
+    unbatched_arrays, kept = keep_untraced(unbatched_arrays)
+    rest = eqx.combine(rest, kept)
     return ChunkOutput(batched, tuple(jtu.tree_leaves(axes)), unbatched_arrays, rest)
+
+
+def _program(closed: Any, index: int) -> tuple[str, list[Any]]:
+    """The part of `closed` that computes its output `index`: its text and the
+    constants it reads."""
+    jaxpr = closed.jaxpr
+    needed = {v for v in jaxpr.outvars[index : index + 1] if isinstance(v, jex.Var)}
+    eqns = []
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            eqns.append(eqn)
+            needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+    used = [i for i, v in enumerate(jaxpr.constvars) if v in needed]
+    part = jaxpr.replace(
+        constvars=[jaxpr.constvars[i] for i in used],
+        invars=[v for v in jaxpr.invars if v in needed],
+        outvars=[jaxpr.outvars[index]],
+        eqns=eqns[::-1],
+        debug_info=jaxpr.debug_info.with_unknown_names(),
+    )
+    return str(part), [closed.consts[i] for i in used]
+
+
+_VALUES = (np.ndarray, np.generic, jax.Array, bool, int, float, complex, str, bytes)
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Whether two traces' constants (or static outputs) are the same value.
+
+    Only values that compare by value are compared: two new objects without
+    `__eq__` would differ though nothing depends on the chunk's size.
+    """
+    if x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+        return True  # an outer tracer: the same one, or unknowable
+    if not isinstance(x, _VALUES) or not isinstance(y, _VALUES):
+        return True
+    return bool(eqx.tree_equal(x, y, typematch=True))
+
+
+def _check_contract(
+    chunk_fn: Callable[[Any, int], ChunkOutput],
+    mapped: Any,
+    in_axes: Any,
+    chunk_size: int,
+) -> None:
+    """Raises if `fun` breaks its contract, which chunking cannot see otherwise.
+
+    `fun` is traced (abstractly) on chunks of two sizes. At each, every batched
+    output must hold the chunk's elements along its out axis (`_out_axes` checks
+    it: `x.T` has the chunk along axis 0 for a square chunk only), and each output
+    marked `None` must be computed in the same way from the same constants: one
+    that reads the chunk's size (`x.shape[0]`) would differ from the unchunked
+    result.
+    """
+    traces = []
+    for size in (chunk_size, chunk_size + 1):
+
+        def _unbatched(_mapped: Any, size: int = size) -> list[Any]:
+            out = chunk_fn(_mapped, size)
+            leaves = jtu.tree_leaves_with_path(out.unbatched)
+            traces.append(([p for p, _ in leaves], out.static))
+            return [x for _, x in leaves]
+
+        structs = jtu.tree_map(ft.partial(_chunk_struct, size), in_axes, mapped)
+        closed = jax.make_jaxpr(_unbatched)(structs)
+        paths, static = traces.pop()
+        programs = [_program(closed, i) for i in range(len(paths))]
+        traces.append((paths, programs, unwrap_kept(static)))
+    (paths, programs, static), (paths2, programs2, static2) = traces
+    different = [
+        path
+        for path, (text, consts), (text2, consts2) in zip(paths, programs, programs2)
+        if text != text2 or not all(map(_same_value, consts, consts2))
+    ]
+    if paths:
+        # An output that depends on the elements says so more precisely.
+        _check_unbatched(chunk_fn, mapped, in_axes, chunk_size)
+    if paths != paths2 or jtu.tree_structure(static) != jtu.tree_structure(static2):
+        different.append(())
+    else:
+        pairs = zip(jtu.tree_leaves_with_path(static), jtu.tree_leaves(static2))
+        different += [p for (p, x), y in pairs if not _same_value(x, y)]
+    if different:
+        where = describe("output", different[0])
+        raise ValueError(
+            f"`{_API}(..., out_axes=...)` gives `None` for `{where}`, but it "
+            "depends on the number of elements `fun` is called on: it differs "
+            f"between chunks of {chunk_size} and {chunk_size + 1} elements, so "
+            "chunking would change it. An output marked `None` must not depend on "
+            "the batch; give it the integer axis along which `fun` returns the "
+            "batch instead, or compute it outside `fun`."
+        )
+
+
+def _chunk_struct(size: int, axis: int, x: Any) -> jax.ShapeDtypeStruct:
+    shape = list(np.shape(x))
+    shape[axis] = size
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
 
 def _check_unbatched(
@@ -106,7 +216,8 @@ def _check_unbatched(
     paths: list[str] = []
 
     def _unbatched(_mapped: Any) -> list[Any]:
-        leaves = jtu.tree_leaves_with_path(chunk_fn(_mapped, chunk_size).unbatched)
+        out = run_tagged(chunk_fn, _mapped, chunk_size)
+        leaves = jtu.tree_leaves_with_path(out.unbatched)
         paths[:] = [describe("output", path) for path, _ in leaves]
         return [x for _, x in leaves]
 
@@ -119,10 +230,11 @@ def _check_unbatched(
     try:
         jax.eval_shape(jax.vmap(_unbatched, out_axes=None), structs)
     except ValueError as e:
-        if "but output was batched" not in str(e):
+        if raised_by_fun(e) or "but output was batched" not in str(e):
             raise
         match = re.search(r"out_axes\[(\d+)\]", str(e))
-        where = f"`{paths[int(match.group(1))]}`" if match else "an output"
+        index = int(match.group(1)) if match else len(paths)
+        where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it depends "
             "on the mapped inputs, so each chunk would compute a different value. "
@@ -164,7 +276,8 @@ class _ChunkedApplyWrapper(eqx.Module):
 
         def _run(k: int | None, closed: Any) -> Any:
             wrapper, _tree = closed
-            return dataclasses.replace(wrapper, _chunk_size=k)._call(_tree, spec)
+            wrapper = dataclasses.replace(wrapper, _chunk_size=k)
+            return wrapper._call(_tree, in_axes, batch_size)
 
         return choose_chunk_size(
             _run,
@@ -194,19 +307,18 @@ class _ChunkedApplyWrapper(eqx.Module):
             return self._fun(*args, **kwargs)  # nothing to split
         if self._chunked(batch_size) and not is_traced((self, tree)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
-            return call_compiled(lambda _tree: self._call(_tree, spec), tree)
-        return self._call(tree, spec)
+            # The axes are resolved here, once, on the caller's leaves: inside,
+            # every array is a tracer.
+            return call_compiled(
+                lambda _tree: self._call(_tree, in_axes, batch_size), tree
+            )
+        return self._call(tree, in_axes, batch_size)
 
     def _chunked(self, batch_size: int) -> bool:
         assert not isinstance(self._chunk_size, MemoryBudget)
         return self._chunk_size is not None and self._chunk_size < batch_size
 
-    def _call(self, tree: Any, spec: Any) -> Any:
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, None, _API)
-        assert batch_size is not None
+    def _call(self, tree: Any, in_axes: Any, batch_size: int) -> Any:
         is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
         static, mapped = eqx.partition(tree, is_unmapped)
         chunk_fn = ft.partial(_chunk_fn, self._fun, self._out_axes, static)
@@ -214,6 +326,7 @@ class _ChunkedApplyWrapper(eqx.Module):
             out = chunk_fn(mapped, batch_size)
         else:
             assert isinstance(self._chunk_size, int)
+            _check_contract(chunk_fn, mapped, in_axes, self._chunk_size)
             out = run_in_chunks(
                 chunk_fn,
                 mapped,
@@ -223,9 +336,7 @@ class _ChunkedApplyWrapper(eqx.Module):
                 remainder=self._remainder,
                 checkpoint=self._checkpoint,
             )
-            if jtu.tree_leaves(out.unbatched):
-                _check_unbatched(chunk_fn, mapped, in_axes, self._chunk_size)
-        return eqx.combine(out.batched, out.unbatched, out.static)
+        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
@@ -298,8 +409,12 @@ def filter_chunked_apply(
         everything else is passed as it is.
     - `out_axes`: keyword-only. Where the batch lies in each output of `fun`
         (negative axes count from the end). An array output marked `None` has no
-        batch axis: it must not depend on the batch (a `ValueError` says so if it
-        does) and is returned once. Defaults to `equinox.if_array(0)`.
+        batch axis: it must not depend on the batch, nor on the number of
+        elements `fun` is called on (such as `x.shape[0]`), and is returned once.
+        Before the loop, `fun` is traced (abstractly) on chunks of two sizes: a
+        `ValueError` names any output that breaks this, or whose `out_axes` axis
+        does not hold the chunk's elements at both. Defaults to
+        `equinox.if_array(0)`.
     - `chunk_size`: keyword-only. The number of batch elements per call of `fun`.
         `None` (the default), or any value at least the batch size, calls `fun`
         once on the whole batch. Or a memory budget, `"auto"` or a

@@ -1,6 +1,7 @@
 """Resolving `in_axes`/`out_axes` specs to one `int | None` per leaf, with checks."""
 
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,31 @@ def is_array(x: Any) -> bool:
     return eqx.is_array(x)
 
 
+_FROM_FUN = "_filtered_chunk_raised_by_fun"
+
+
+def run_tagged(fun: Callable[..., Any], *args: Any) -> Any:
+    """`fun(*args)`, marking any exception it raises as the function's own.
+
+    A transform rewrites the errors of its own `jax.vmap` (about its out axes);
+    the mark keeps it from rewriting an error that `fun` raised, such as one from a
+    `jax.vmap` inside `fun`.
+    """
+    try:
+        return fun(*args)
+    except Exception as e:
+        try:
+            setattr(e, _FROM_FUN, True)
+        except AttributeError:
+            pass  # an exception type with `__slots__`: not rewritten either way
+        raise
+
+
+def raised_by_fun(e: BaseException) -> bool:
+    """Whether `run_tagged` saw `e` come out of the function it ran."""
+    return getattr(e, _FROM_FUN, False)
+
+
 def describe(argname: str, path: tuple[Any, ...]) -> str:
     """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`.
 
@@ -32,15 +58,13 @@ def describe(argname: str, path: tuple[Any, ...]) -> str:
     return argname + jtu.keystr(tuple(path))
 
 
-def _resolve_leaf(spec: AxisSpec, leaf: Any, where: str) -> ResolvedAxisSpec:
+def _resolve_leaf(
+    spec: AxisSpec, leaf: Any, where: str, argname: str
+) -> ResolvedAxisSpec:
     if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
         return spec
     if isinstance(spec, bool):
-        # `jax.vmap` raises `TypeError` for a bool axis; keep the same class.
-        raise TypeError(
-            f"An axis spec must be an `int`, `None` or a callable, got {spec!r} for "
-            f"`{where}`. Booleans are not axes."
-        )
+        return _bool_axis(spec, spec, where, argname)
     if not callable(spec):
         raise ValueError(
             "`in_axes` and `out_axes` must consist of None, ints, and callables only; "
@@ -49,9 +73,29 @@ def _resolve_leaf(spec: AxisSpec, leaf: Any, where: str) -> ResolvedAxisSpec:
     axis = spec(leaf)
     if axis is None or (isinstance(axis, int) and not isinstance(axis, bool)):
         return axis
+    if isinstance(axis, bool):
+        return _bool_axis(axis, spec, where, argname)
+    if argname == "out_axes":
+        # `eqx.filter_vmap` moves the axis with `jnp.moveaxis`, which takes any
+        # integer (`np.int64` from shape arithmetic); `jax.vmap`'s `in_axes` do not.
+        try:
+            return operator.index(axis)
+        except TypeError:
+            pass
     raise TypeError(
         f"The axis spec {spec!r} returned {axis!r} for `{where}`; a callable axis spec "
         "must return an `int` or `None`."
+    )
+
+
+def _bool_axis(axis: bool, spec: Any, where: str, argname: str) -> int:
+    """`eqx.filter_vmap` takes a bool out axis as the int it is (`True` is 1);
+    `jax.vmap` rejects a bool in axis with `TypeError`."""
+    if argname == "out_axes":
+        return int(axis)
+    raise TypeError(
+        f"An axis spec must be an `int`, `None` or a callable, got {spec!r} for "
+        f"`{where}`. Booleans are not axes."
     )
 
 
@@ -62,7 +106,9 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
     for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=_is_none):
         if leaf is None or callable(leaf):
             continue
-        if isinstance(leaf, bool):
+        if isinstance(leaf, bool) and argname == "in_axes":
+            # `jax.vmap` raises `TypeError`; `eqx.filter_vmap` takes a bool out
+            # axis as the int it is.
             raise TypeError(
                 f"`{argname}` must consist of `None`, ints and callables, got the "
                 f"bool {leaf!r} at `{argname}{jtu.keystr(path)}`. Booleans are not "
@@ -103,7 +149,7 @@ def resolve_axes(
 
     def _subtree(prefix: tuple[Any, ...], s: AxisSpec, subtree: Any) -> Any:
         def _leaf(path: tuple[Any, ...], leaf: Any) -> ResolvedAxisSpec:
-            return _resolve_leaf(s, leaf, describe(argname, prefix + path))
+            return _resolve_leaf(s, leaf, describe(argname, prefix + path), argname)
 
         return jtu.tree_map_with_path(_leaf, subtree)
 
@@ -165,6 +211,12 @@ def batch_size_of(
     distinct = set(sizes.values())
     if axis_size is not None:
         distinct.add(axis_size)
+    if axis_size is not None and axis_size < 0 and not sizes:
+        # `jax.vmap` fails to broadcast to a negative size with `TypeError`.
+        raise TypeError(
+            f"`{api}(..., axis_size=...)` must be a non-negative integer or `None`, "
+            f"got {axis_size!r}."
+        )
     if len(distinct) > 1:
         listed = ", ".join(f"`{p}`: {s}" for p, s in sizes.items())
         extra = f" and `axis_size={axis_size}`" if axis_size is not None else ""

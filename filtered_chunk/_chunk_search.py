@@ -27,7 +27,7 @@ from jax._src.interpreters import ad
 from jaxtyping import PyTree
 
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
-from ._eager import _callables, _InnerConstants
+from ._eager import program_key
 
 
 # A search compiles the whole batch, one element, then pairs of guesses.
@@ -111,14 +111,14 @@ class _Program:
         try:
             key = (
                 str(closed.jaxpr),
-                tuple(_callables(closed.jaxpr)),
+                tuple(program_key(closed.jaxpr, evaluated_only=False)),
                 tuple(_key_of(_struct(x)) for x in closed.consts),
                 tuple(_differentiated(x) for x in closed.consts),
                 tuple(_key_of(s) for s in self.structs),  # with their shardings
                 tuple(self.mask),
             )
             hash(key)
-        except (TypeError, _InnerConstants):
+        except TypeError:
             return None
         return key
 

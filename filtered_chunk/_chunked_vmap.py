@@ -21,7 +21,9 @@ from ._axes import (
     describe,
     is_array,
     normalise_in_axes,
+    raised_by_fun,
     resolve_axes,
+    run_tagged,
 )
 from ._boundary import api_boundary, keyword_only
 from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
@@ -34,7 +36,13 @@ from ._chunking import (
     run_in_chunks,
 )
 from ._collectives import collectives_over
-from ._custom_types import AxisSpec, Remainder, sentinel
+from ._custom_types import (
+    AxisSpec,
+    keep_untraced,
+    Remainder,
+    sentinel,
+    unwrap_kept,
+)
 from ._eager import call_compiled, is_traced
 from ._sharding import (
     BatchSharding,
@@ -53,9 +61,17 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
-def _split_output(out: PyTree[Any], out_axes: PyTree[AxisSpec]) -> tuple[Any, ...]:
+def _split_output(
+    out: PyTree[Any], out_axes: PyTree[AxisSpec], batch_known: bool = True
+) -> tuple[Any, ...]:
     """Splits `fun`'s output into mapped arrays, unmapped arrays, and the rest."""
     axes = resolve_axes(out, out_axes, "out_axes")
+    if not batch_known and jtu.tree_leaves(axes):
+        # Before looking at the leaves, as `eqx.filter_vmap` does.
+        raise ValueError(
+            "Cannot resolve batch dimension. Non-`None` `out_axes` requires "
+            "either `in_axes` or `axis_size` to be not `None`."
+        )
 
     def _check(path: tuple[Any, ...], axis: int | None, leaf: Any) -> int | None:
         if axis is None:
@@ -117,20 +133,22 @@ class _ChunkedVmapWrapper(eqx.Module):
         )
         batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
         sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-        if sharding is not None and batch_size is not None:
-            batch_size //= sharding.num_devices  # `chunk_size` counts per device
         if not batch_size:
+            return None
+        # `chunk_size` counts elements per device.
+        per_device = batch_size // (1 if sharding is None else sharding.num_devices)
+        if not per_device:
             return None
 
         def _run(k: int | None, closed: Any) -> Any:
             wrapper, _tree = closed
             wrapper = dataclasses.replace(wrapper, _chunk_size=k)
-            return wrapper._call(_tree, spec, sharding)
+            return wrapper._call(_tree, in_axes, batch_size, sharding)
 
         return choose_chunk_size(
             _run,
             (self, tree),
-            batch_size=batch_size,
+            batch_size=per_device,
             budget=self._budget,
             remainder=self._remainder,
             options=(self._remainder, self._checkpoint, self._axis_name),
@@ -159,25 +177,28 @@ class _ChunkedVmapWrapper(eqx.Module):
         if chunked and not is_traced((self, tree)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`. Once
             # traced, the inputs' shardings are hidden, so look at them now.
+            # The axes are resolved here, once, on the caller's leaves (as
+            # `eqx.filter_vmap` does): inside, every array is a tracer.
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-            return call_compiled(lambda _tree: self._call(_tree, spec, sharding), tree)
-        return self._call(tree, spec)
+            return call_compiled(
+                lambda _tree: self._call(_tree, in_axes, batch_size, sharding), tree
+            )
+        return self._call(tree, in_axes, batch_size)
 
-    def _call(self, tree: Any, spec: Any, sharding: BatchSharding | None = None) -> Any:
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+    def _call(
+        self,
+        tree: Any,
+        in_axes: Any,
+        batch_size: int | None,
+        sharding: BatchSharding | None = None,
+    ) -> Any:
         is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
         static, mapped = eqx.partition(tree, is_unmapped)
         _element = ft.partial(_evaluate, self._fun, self._out_axes, static)
         if batch_size is None:
-            out_mapped, out_unmapped, out_static = _element(mapped)
-            if jtu.tree_leaves(out_mapped):
-                raise ValueError(
-                    "Cannot resolve batch dimension. Non-`None` `out_axes` requires "
-                    "either `in_axes` or `axis_size` to be not `None`."
-                )
+            out_mapped, out_unmapped, out_static = _evaluate(
+                self._fun, self._out_axes, static, mapped, batch_known=False
+            )
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
         if sharding is None:
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
@@ -198,7 +219,7 @@ class _ChunkedVmapWrapper(eqx.Module):
                 sharding=sharding,
                 api=_API,
             )
-        return eqx.combine(out.batched, out.unbatched, out.static)
+        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
     def _run(
         self, static: Any, in_axes: Any, mapped: Any, batch_size: int
@@ -254,11 +275,15 @@ class _ChunkedVmapWrapper(eqx.Module):
 
 
 def _evaluate(
-    fun: Callable[..., Any], out_axes: Any, static: Any, mapped: Any
+    fun: Callable[..., Any],
+    out_axes: Any,
+    static: Any,
+    mapped: Any,
+    batch_known: bool = True,
 ) -> tuple[Any, ...]:
     """`fun` on one element (the mapped leaves `mapped`), its output split."""
     _args, _kwargs = eqx.combine(mapped, static)
-    return _split_output(fun(*_args, **_kwargs), out_axes)
+    return _split_output(fun(*_args, **_kwargs), out_axes, batch_known)
 
 
 def _run_local(
@@ -289,7 +314,7 @@ def _chunk_fn(
     def _flat_unmapped(_mapped: Any) -> tuple[Any, ...]:
         # The unmapped arrays go first, as a flat list: JAX's key path for an
         # output that varies is off once the output holds `None`s, its index is not.
-        _out_mapped, _out_unmapped, _static = element(_mapped)
+        _out_mapped, _out_unmapped, _static = run_tagged(element, _mapped)
         leaves, treedef = jtu.tree_flatten_with_path(_out_unmapped)
         paths[:] = [describe("output", path) for path, _ in leaves]
         return [x for _, x in leaves], _out_mapped, _static, Static(treedef)
@@ -304,10 +329,11 @@ def _chunk_fn(
     try:
         unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
-        if "but output was batched" not in str(e):
+        if raised_by_fun(e) or "but output was batched" not in str(e):
             raise
         match = re.search(r"out_axes\[0\]\[(\d+)\]", str(e))
-        where = f"`{paths[int(match.group(1))]}`" if match else "an output"
+        index = int(match.group(1)) if match else len(paths)
+        where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
             "over the batch. An output marked `None` must not depend on the mapped "
@@ -315,6 +341,9 @@ def _chunk_fn(
         ) from None
     out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     out_static, out_axes = static.value
+    # What no trace computed is returned as it is (`jax.vmap` does the same).
+    out_unmapped, kept = keep_untraced(out_unmapped)
+    out_static = eqx.combine(out_static, kept)
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
@@ -500,11 +529,10 @@ def _check_arguments(
     remainder: str,
 ) -> ChunkSize:
     chunk_size = check_chunking(chunk_size, remainder, _API)
-    if axis_size is not None and (isinstance(axis_size, bool) or axis_size < 0):
-        raise ValueError(
-            f"`{_API}(..., axis_size=...)` must be a non-negative integer or `None`, "
-            f"got {axis_size!r}."
-        )
+    # `axis_size` is checked where it is used, as by `jax.vmap`: a negative one
+    # is inconsistent with a mapped input (`ValueError`) or cannot be broadcast to
+    # (`TypeError`), and a bool is the int it is.
+    del axis_size
     check_spec(in_axes, "in_axes")
     check_spec(out_axes, "out_axes")
     return chunk_size

@@ -33,7 +33,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from ._budget import MemoryBudget, normalise_chunk_size
-from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
+from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
 from ._derivatives import checkpointed, scan_chunks
 
 
@@ -44,20 +44,20 @@ class ChunkOutput(NamedTuple):
     static: Any
 
 
-ChunkFn = Callable[[PyTree[Array], int], ChunkOutput]
+ChunkFn = Callable[[PyTree[InputArray], int], ChunkOutput]
 # What a transform holds: a fixed chunk size, none, or a budget to choose one.
 ChunkSize = int | MemoryBudget | None
 
 
 def slice_inputs(
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     in_axes: PyTree[int | None],
     start: Int[Array, ""] | int,
     size: int,
 ) -> PyTree[Array]:
     """Slices `size` elements starting at `start` along each leaf's mapped axis."""
 
-    def _slice(axis: int, x: Array) -> Array:
+    def _slice(axis: int, x: InputArray) -> Array:
         return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
     return jtu.tree_map(_slice, in_axes, inputs)
@@ -148,7 +148,7 @@ def check_chunking(chunk_size: Any, remainder: str, api: str) -> ChunkSize:
 
 def run_in_chunks(
     chunk_fn: ChunkFn,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     in_axes: PyTree[int | None],
     *,
     batch_size: int,
@@ -166,8 +166,8 @@ def run_in_chunks(
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
 
-    def _step(size: int) -> Callable[[PyTree[Array], Any], tuple[Any, Any]]:
-        def _arrays(_inputs: PyTree[Array], start: Any) -> tuple[Any, Any]:
+    def _step(size: int) -> Callable[[PyTree[InputArray], Any], tuple[Any, Any]]:
+        def _arrays(_inputs: PyTree[InputArray], start: Any) -> tuple[Any, Any]:
             # Slice inside the checkpointed region, so that reverse mode saves the
             # (already live) inputs rather than a copy of every chunk.
             out = chunk_fn(slice_inputs(_inputs, in_axes, start, size), size)

@@ -1,6 +1,12 @@
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
+import jax
+import jax.core
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array
+
 
 ResolvedAxisSpec: TypeAlias = int | None
 AxisSpec: TypeAlias = ResolvedAxisSpec | Callable[[Any], ResolvedAxisSpec]
@@ -8,6 +14,9 @@ Remainder: TypeAlias = Literal["overlap", "separate"]
 # `True`/`False`, or a `jax.checkpoint_policies` policy.
 CheckpointSpec: TypeAlias = bool | Callable[..., Any]
 REMAINDERS: tuple[str, ...] = ("overlap", "separate")
+# A mapped input as the caller passed it: a NumPy array stays one until a chunk is
+# sliced out of it (under an outer `jit` it is a constant, not a tracer).
+InputArray: TypeAlias = Array | np.ndarray
 
 
 class _Sentinel:
@@ -16,3 +25,35 @@ class _Sentinel:
 
 
 sentinel: Any = _Sentinel()
+
+
+class Kept:
+    """An output leaf that a transform returns as it is: a value `fun` returned with
+    `out_axes=None` that no trace computed (a NumPy value, a closed-over array).
+
+    It is one opaque leaf to JAX, so that neither the loop nor a compiled program
+    turns it into a `jax.Array` (a NumPy float64 would become a float32). Equality
+    is identity, so a cache never matches it by value.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def _is_kept(x: Any) -> bool:
+    return isinstance(x, Kept)
+
+
+def keep_untraced(tree: Any) -> tuple[Any, Any]:
+    """Splits `tree` into its tracers and its other leaves, wrapped in `Kept`."""
+    is_tracer = lambda x: isinstance(x, jax.core.Tracer)  # noqa: E731
+    traced = jtu.tree_map(lambda x: x if is_tracer(x) else None, tree)
+    kept = jtu.tree_map(lambda x: None if is_tracer(x) else Kept(x), tree)
+    return traced, kept
+
+
+def unwrap_kept(tree: Any) -> Any:
+    """Replaces each `Kept` leaf of `tree` by its value."""
+    return jtu.tree_map(lambda x: x.value if _is_kept(x) else x, tree, is_leaf=_is_kept)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._custom_types import CheckpointSpec
+from ._custom_types import CheckpointSpec, InputArray
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
@@ -85,8 +85,8 @@ class _Loop(eqx.Module):
         last = self.batch_size - self.chunk_size
         return jnp.minimum(jnp.arange(self.num_steps) * self.chunk_size, last)
 
-    def slice(self, inputs: PyTree[Array], start: Int[Array, ""]) -> PyTree[Array]:
-        def _slice(axis: int, x: Array) -> Array:
+    def slice(self, inputs: PyTree[InputArray], start: Int[Array, ""]) -> PyTree[Array]:
+        def _slice(axis: int, x: InputArray) -> Array:
             # `start` is never negative: skip JAX's wrap-around of negative indices.
             return lax.dynamic_slice_in_dim(
                 x, start, self.chunk_size, axis=axis, allow_negative_indices=False
@@ -125,7 +125,7 @@ class _Loop(eqx.Module):
 
 
 def _primal_step(
-    fn: ArraysFn, inputs: PyTree[Array], start: Int[Array, ""], loop: _Loop
+    fn: ArraysFn, inputs: PyTree[InputArray], start: Int[Array, ""], loop: _Loop
 ) -> tuple[list[Array], PyTree[Array]]:
     # Slice inside the checkpointed region, so that reverse mode saves the (already
     # live) inputs rather than a copy of every chunk.
@@ -135,7 +135,7 @@ def _primal_step(
 def _jvp_step(
     fn: ArraysFn,
     t_fn: Any,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     start: Int[Array, ""],
     t_chunk: PyTree[Array | None],
     loop: _Loop,
@@ -158,7 +158,7 @@ def _jvp_step(
 @eqx.filter_custom_jvp
 def _run(
     fn: ArraysFn,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     buffers: list[Array],
     unbatched: PyTree[Array],
     *,
@@ -220,7 +220,7 @@ def _run_jvp(
 
 def scan_chunks(
     arrays: ArraysFn,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     in_axes: PyTree[int],
     buffers: list[Array],
     unbatched: PyTree[Array],

@@ -5,13 +5,40 @@ JAX caches compilations by jaxpr identity). Wrapping the call in `jax.jit` would
 on the identity of the Python function instead, and so silently reuse whatever
 values `fun` read from its closure or from globals on the first call. Here the call
 is traced afresh every time (cheap), and the *compiled program* is cached on what
-was traced: the jaxpr's text, the identity of every callable inside it (the text
-masks callbacks' addresses), and its constants' types. Constants (arrays `fun`
-closes over) are passed as arguments, so new values are used without recompiling.
+was traced: the jaxpr's text, its constants' types, and what the text does not
+show (see `_key`):
+
+- callables in equation parameters (callbacks): a function by its code, globals
+  and what it closes over (recursively, immutable builtin values by value and
+  anything else, mutable lists and arrays included, by identity), so that the new
+  lambda or JAX wrapper each trace makes still hits, while one closing over a new
+  value or object misses;
+- constants of inner programs (an inner `jit` closing over an array): a
+  `jax.Array` by identity, a (mutable) NumPy array by value;
+- not the derivative rules of `custom_vjp`/`custom_jvp` calls: a cached program is
+  only evaluated, never differentiated, so only their primal runs.
+
+Objects compared by identity are held by the key, so their `id` is never reused
+while it is cached; no user-defined `__eq__` is ever called. Constants (arrays
+`fun` closes over) are passed as arguments, so new values are used without
+recompiling.
+
+`jax.grad` of an eager chunked call cannot use this cache: its inputs are tracers,
+so the loop runs op by op and JAX compiles the scan (whose jaxpr is new on every
+call) each time, as it does for any eager `lax.scan` under `jax.grad`. Wrap the
+gradient in `jax.jit` (or `eqx.filter_jit`) to compile it once.
+
+Outputs that the trace did not compute (a NumPy value `fun` returns with
+`out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does:
+only traced outputs go through the compiled program. The program runs under
+`eqx.filter_jit`, so that `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it
+does under `eqx.filter_jit`.
 """
 
 import collections
+import dataclasses
 import functools as ft
+import types
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -20,6 +47,7 @@ import jax
 import jax.core
 import jax.extend.core as jex
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 
@@ -34,46 +62,164 @@ def is_traced(tree: PyTree[Any]) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
 
 
-class _InnerConstants(Exception):
-    pass
+class _Same:
+    """An object in a cache key, compared by identity. It holds a reference, so
+    the object's `id` cannot be reused while the key exists."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
 
 
-def _callables(jaxpr: Any) -> Iterator[Any]:
-    """The callables in `jaxpr`'s parameters, which its text does not identify."""
+# Parameters that only differentiation reads. A cached program is only ever
+# evaluated (an eager call has no tracers), so only `call_jaxpr` runs: the rules
+# (new closures on every trace, such as those `eqx.internal.while_loop` makes) may
+# differ between traces without changing the program.
+_DIFFERENTIATION_ONLY = {
+    "custom_vjp_call": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
+    "custom_jvp_call": ("jvp_jaxpr_fun", "jvp_jaxpr_thunk"),
+}
+_MAX_DEPTH = 8
+_EXACT = (type(None), bool, int, str, bytes)
+
+
+def _value_key(x: Any, depth: int = 0, trusted: bool = False) -> Hashable:
+    """A key equal for two values only if they behave the same in a program.
+
+    Functions (a new lambda on every trace, the closures JAX wraps callbacks in)
+    are keyed on their code and what they close over; immutable builtin values
+    on their value; anything else on its identity, so that a user-defined
+    `__eq__` is never trusted. A callback runs the *cached* program's function,
+    so a mutable object it closes over (a list it appends to, a NumPy buffer) must
+    be the very same object: by identity, except in the `trusted` closures JAX
+    itself makes, whose containers it never changes.
+    """
+    if depth > _MAX_DEPTH:
+        return _Same(x)
+    key = ft.partial(_value_key, depth=depth + 1)
+    if type(x) in _EXACT:
+        return (type(x), x)
+    if type(x) in (float, complex):
+        return (type(x), repr(x))  # `-0.0 == 0.0`, but they differ
+    if type(x) is tuple:
+        return (tuple, tuple(map(key, x)))
+    if trusted and type(x) in (list, dict):
+        items = x.items() if isinstance(x, dict) else enumerate(x)
+        return (type(x), tuple((key(k), key(v)) for k, v in items))
+    if isinstance(x, jtu.PyTreeDef):
+        return (jtu.PyTreeDef, x)  # what `jax.jit` itself compares by value
+    if isinstance(x, types.FunctionType):
+        jax_own = x.__module__.startswith("jax.")
+        cells = tuple(_cell_key(c, depth, jax_own) for c in x.__closure__ or ())
+        # Each function has its own `__dict__` and `__kwdefaults__`: their items.
+        extra = x.__dict__, x.__kwdefaults__ or {}
+        defaults = (key(x.__defaults__), *(key(tuple(d.items())) for d in extra))
+        return (_Same(x.__code__), _Same(x.__globals__), cells, defaults)
+    if isinstance(x, types.MethodType):
+        return (types.MethodType, key(x.__func__), _Same(x.__self__))
+    if isinstance(x, ft.partial):
+        keywords = key(tuple(x.keywords.items()))
+        return (ft.partial, key(x.func), key(x.args), keywords)
+    if dataclasses.is_dataclass(x) and type(x).__module__.startswith("jax."):
+        # JAX's own wrappers, such as the one around a `pure_callback`'s function.
+        fields = dataclasses.fields(x)
+        return (type(x), tuple(key(getattr(x, f.name)) for f in fields))
+    return _Same(x)
+
+
+def _cell_key(cell: Any, depth: int, trusted: bool) -> Hashable:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # an empty cell
+        return ()
+    return (_value_key(contents, depth + 1, trusted),)
+
+
+def _const_key(x: Any) -> Hashable:
+    """An inner program's constant (an inner `jit` closing over an array) is part
+    of the compiled program: a `jax.Array` is immutable, so its identity tells."""
+    if isinstance(x, np.ndarray | np.generic):
+        # Copied into the compiled program: its value now is what runs.
+        return (np.ndarray, x.dtype, x.shape, x.tobytes())
+    return _Same(x)
+
+
+def program_key(jaxpr: Any, *, evaluated_only: bool) -> Iterator[Hashable]:
+    """What identifies `jaxpr` as a program beyond its text, which masks callables
+    (callbacks' addresses) and the values of inner programs' constants.
+
+    With `evaluated_only`, what only differentiation reads (custom derivative
+    rules) is left out: the program will only be evaluated.
+    """
     for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            if isinstance(value, jex.ClosedJaxpr) and value.consts:
-                # Constants that JAX did not hoist are not in the key: don't cache.
-                raise _InnerConstants
-            if callable(value) and not isinstance(value, jex.Jaxpr | jex.ClosedJaxpr):
-                yield value
+        skip = _DIFFERENTIATION_ONLY.get(eqn.primitive.name, ())
+        skip = skip if evaluated_only else ()
+        for name, value in eqn.params.items():
+            if name in skip:
+                continue
+            if isinstance(value, jex.ClosedJaxpr):
+                yield tuple(map(_const_key, value.consts))
+            elif callable(value) and not isinstance(value, jex.Jaxpr):
+                yield _value_key(value)
         for sub in jex.jaxprs_in_params(eqn.params):
-            yield from _callables(sub)
+            yield from program_key(sub, evaluated_only=evaluated_only)
 
 
 def _evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
     return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
 
+def _trace(
+    fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]
+) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
+    """Traces `fn(tree)` with `tree`'s arrays abstract.
+
+    Returns the jaxpr, the arrays it takes, and a function that builds `fn`'s
+    output from the jaxpr's outputs and the leaves the trace did not compute.
+    """
+    dynamic, static = eqx.partition(tree, eqx.is_array)
+    leaves, treedef = jtu.tree_flatten(dynamic)
+    found: list[Any] = []
+
+    def _traced(*_leaves: Any) -> list[Any]:
+        out = fn(eqx.combine(jtu.tree_unflatten(treedef, _leaves), static))
+        out_leaves, out_treedef = jtu.tree_flatten(out)
+        traced = [isinstance(x, jax.core.Tracer) for x in out_leaves]
+        found[:] = [out_leaves, out_treedef, traced]
+        return [x for x, t in zip(out_leaves, traced) if t]
+
+    closed = jax.make_jaxpr(_traced)(*leaves)
+
+    def _rebuild(outputs: list[Any]) -> Any:
+        out_leaves, out_treedef, traced = found
+        computed = iter(outputs)
+        merged = [next(computed) if t else x for x, t in zip(out_leaves, traced)]
+        return jtu.tree_unflatten(out_treedef, merged)
+
+    return closed, leaves, _rebuild
+
+
 def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     """Evaluates `fn(tree)` as one compiled program, compiled once per program."""
-    dynamic, static = eqx.partition(tree, eqx.is_array)
-    closed, out_struct, out_static = eqx.filter_make_jaxpr(
-        lambda _dynamic: fn(eqx.combine(_dynamic, static))
-    )(dynamic)
+    closed, leaves, rebuild = _trace(fn, tree)
     if is_traced(closed.consts):
         return fn(tree)  # `fn` closes over an outer transformation's tracers
     try:
-        key = (str(closed.jaxpr), tuple(_callables(closed.jaxpr)))
+        key = (str(closed.jaxpr), tuple(program_key(closed.jaxpr, evaluated_only=True)))
         hash(key)
-    except (TypeError, _InnerConstants):
-        return fn(tree)  # no reliable key (an unhashable callable): run op by op
+    except TypeError:
+        return fn(tree)  # no reliable key (an unhashable value): run op by op
     compiled = _programs.pop(key, None)
     if compiled is None:
-        compiled = jax.jit(ft.partial(_evaluate, closed.jaxpr))
+        compiled = eqx.filter_jit(ft.partial(_evaluate, closed.jaxpr))
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
         _programs.popitem(last=False)
-    flat = compiled(list(closed.consts), jtu.tree_leaves(dynamic))
-    out = jtu.tree_unflatten(jtu.tree_structure(out_struct), flat)
-    return eqx.combine(out, out_static)
+    return rebuild(compiled(list(closed.consts), leaves))

@@ -31,7 +31,7 @@ from ._boundary import api_boundary, keyword_only
 from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
 from ._chunk_search import choose_chunk_size
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
-from ._custom_types import Remainder, sentinel
+from ._custom_types import keep_untraced, Remainder, sentinel, unwrap_kept
 from ._eager import call_compiled, is_traced
 
 
@@ -96,11 +96,13 @@ def _jacfwd(
         )
         tangents, axes = without_float0(t, True)
         unbatched, static = eqx.partition((y, aux), is_array)
-        return ChunkOutput(tangents, axes, unbatched, static)
+        # What no trace computed (a NumPy `aux`) is returned as it is.
+        unbatched, kept = keep_untraced(unbatched)
+        return ChunkOutput(tangents, axes, unbatched, eqx.combine(static, kept))
 
     _, total = offsets(dynamic)
     out = in_chunks(_columns, total, o.chunk_size, o.remainder, o.checkpoint)
-    y, aux = eqx.combine(out.unbatched, out.static)
+    y, aux = eqx.combine(out.unbatched, unwrap_kept(out.static))
     rule = outputs_rule(o.holomorphic, rev=False)
     check_dtypes((y,), ["output"], rule, "the output", o.api)
     example = dynamic[0] if isinstance(o.argnums, int) else dynamic

@@ -35,6 +35,7 @@ from jaxtyping import Array, PyTree
 from ._axes import describe, is_array
 from ._chunking import ChunkFn, ChunkOutput
 from ._collectives import collectives_over
+from ._custom_types import InputArray
 
 
 SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
@@ -191,7 +192,7 @@ def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeS
 
 def check_collectives(
     element: Callable[..., Any],
-    mapped: PyTree[Array],
+    mapped: PyTree[InputArray],
     in_axes: PyTree[int | None],
     axis_name: Hashable | None,
     sharding: BatchSharding,
@@ -220,10 +221,10 @@ def check_collectives(
 
 
 def run_sharded(
-    local: Callable[[PyTree[Any], PyTree[Array], int], ChunkOutput],
+    local: Callable[[PyTree[Any], PyTree[InputArray], int], ChunkOutput],
     closed: PyTree[Any],
     chunk_fn: ChunkFn,
-    mapped: PyTree[Array],
+    mapped: PyTree[InputArray],
     in_axes: PyTree[int | None],
     *,
     batch_size: int,
@@ -253,7 +254,7 @@ def run_sharded(
     structs = jtu.tree_map(ft.partial(_local_struct, sharding), in_axes, mapped)
     shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
 
-    def _local(_arrays: PyTree[Array], _mapped: PyTree[Array]) -> tuple[Any, Any]:
+    def _local(_arrays: PyTree[Array], _mapped: PyTree[InputArray]) -> tuple[Any, Any]:
         _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
         return _out.batched, _out.unbatched
 

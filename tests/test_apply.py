@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -174,6 +175,66 @@ def test_output_without_the_chunk_along_its_axis(getkey):
         chunked(jr.normal(getkey(), (5, 3)))
     with pytest.raises(ValueError, match="out of|with shape"):
         fc.filter_chunked_apply(lambda x: x, out_axes=2, chunk_size=2)(jnp.ones((5,)))
+
+
+_SIZE_DEPENDENT = {
+    "array-from-shape": lambda x: (x * 2, jnp.asarray(x.shape[0], jnp.float32)),
+    "shape-from-shape": lambda x: (x * 2, jnp.zeros(x.shape[0])),
+    "numpy-from-shape": lambda x: (x * 2, np.float32(x.shape[0])),
+    "python-int": lambda x: (x * 2, x.shape[0]),
+    "constant-from-shape": lambda x: (x * 2, jnp.sum(jnp.arange(x.shape[0] * 1.0))),
+}
+
+
+@pytest.mark.parametrize("jit", (False, True))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("f", _SIZE_DEPENDENT.values(), ids=_SIZE_DEPENDENT.keys())
+def test_output_marked_none_must_not_depend_on_the_chunk_size(f, remainder, jit):
+    # Chunked, each would be the chunk's size rather than the batch's: no silent
+    # wrong value.
+    x = jnp.ones((10, 3))
+    chunked = fc.filter_chunked_apply(
+        f, out_axes=(0, None), chunk_size=3, remainder=remainder
+    )
+    call = jax.jit(chunked) if jit else chunked
+    with pytest.raises(ValueError, match=r"`None` for `output\[1\]`, but it depends "):
+        call(x)
+    # Unchunked (a chunk as large as the batch): exactly the plain call.
+    unchunked = fc.filter_chunked_apply(f, out_axes=(0, None), chunk_size=10)
+    assert tree_allclose(unchunked(x), f(x))
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_output_marked_none_may_use_unmapped_inputs_and_constants(remainder, getkey):
+    x, w = jr.normal(getkey(), (10, 3)), jr.normal(getkey(), (3,))
+    table = np.linspace(0.0, 1.0, 4)
+
+    def f(x, w):
+        return x @ w, (jnp.sum(w**2), np.float32(2.0), jnp.asarray(table), "s", 3)
+
+    chunked = fc.filter_chunked_apply(
+        f, in_axes=(0, None), out_axes=(0, None), chunk_size=3, remainder=remainder
+    )
+    assert tree_allclose(chunked(x, w), f(x, w))
+    assert tree_allclose(eqx.filter_jit(chunked)(x, w), eqx.filter_jit(f)(x, w))
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_transposed_chunks_are_detected(remainder):
+    # A (3, 3) chunk transposed has 3 rows: the chunk's size, at this size only.
+    X = jnp.ones((10, 3))
+    chunked = fc.filter_chunked_apply(lambda x: x.T, chunk_size=3, remainder=remainder)
+    with pytest.raises(ValueError, match=r"returned `output` with shape \(3, 4\)"):
+        chunked(X)
+    with pytest.raises(ValueError, match=r"returned `output` with shape \(3, 4\)"):
+        jax.jit(chunked)(X)
+    square = fc.filter_chunked_apply(
+        lambda x: {"a": x, "b": x[:, :, None] * x[:, None, :]},
+        out_axes={"a": 0, "b": 2},
+        chunk_size=3,
+    )
+    with pytest.raises(ValueError, match=r"`output\['b'\]` with shape \(4, 3, 3\)"):
+        square(X)
 
 
 def test_non_array_output_with_an_axis():

@@ -3,6 +3,7 @@
 import functools as ft
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,6 +117,50 @@ _PARITY = [
         r"gives `None` for `output\['b'\]\[0\]`, but it varies over the batch",
     ),
     (
+        # Errors from a `vmap` inside `fun` are the user's: never rewritten.
+        "inner-filter_vmap-out_axes",
+        lambda vmap: vmap(
+            lambda x: eqx.filter_vmap(lambda y: (y * x, y), out_axes=(None, 0))(
+                jnp.ones(2)
+            )
+        )(jnp.arange(10.0)),
+        ValueError,
+        r"^at vmap out_axes\[0\]\[1\], got axis spec None but output was batched",
+    ),
+    (
+        "inner-jax-vmap-out_axes",
+        lambda vmap: vmap(
+            lambda x: jax.vmap(lambda y: y * x, out_axes=None)(jnp.ones(2))
+        )(jnp.arange(10.0)),
+        ValueError,
+        r"^at vmap out_axes, got axis spec None but output was batched on axis 0",
+    ),
+    (
+        # `eqx.filter_vmap` checks the batch before the outputs' types.
+        "nothing-mapped-non-array-output",
+        lambda vmap: vmap(lambda x: (x, "s"), in_axes=None, out_axes=0)(_x),
+        ValueError,
+        r"Cannot resolve batch dimension",
+    ),
+    (
+        "axis_size-negative-nothing-mapped",
+        lambda vmap: vmap(lambda x: x * 2, in_axes=None, axis_size=-1)(_x),
+        TypeError,
+        r"`filter_chunked_vmap\(\.\.\., axis_size=\.\.\.\)` must be a non-negative",
+    ),
+    (
+        "axis_size-negative-mapped",
+        lambda vmap: vmap(_first, axis_size=-1)(_x),
+        ValueError,
+        r"`args\[0\]`: 5 and `axis_size=-1`",
+    ),
+    (
+        "callable-in_axes-returns-bool",
+        lambda vmap: vmap(_first, in_axes=lambda leaf: True)(_x),
+        TypeError,
+        r"got <function .*> for `args\[0\]`\. Booleans are not axes",
+    ),
+    (
         "nothing-mapped",
         lambda vmap: vmap(_first, in_axes=None)(_x),
         ValueError,
@@ -152,10 +197,6 @@ def test_same_exception_as_filter_vmap(call, cls, match):
         (dict(chunk_size=0), r"`filter_chunked_vmap\(\.\.\., chunk_size=\.\.\.\)`"),
         (dict(chunk_size=-2), r"must be a positive integer or `None`, got -2"),
         (dict(chunk_size=True), r"must be a positive integer or `None`, got True"),
-        (
-            dict(axis_size=-1),
-            r"\(\.\.\., axis_size=\.\.\.\)` must be a non-negative integer",
-        ),
         (
             dict(remainder="pad"),
             r"\(\.\.\., remainder=\.\.\.\)` must be one of \('overlap'",

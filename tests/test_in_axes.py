@@ -129,3 +129,21 @@ def test_fun_is_never_mapped(bound, getkey):
     actual = fc.filter_chunked_vmap(fun, chunk_size=2)(x)
     assert tree_allclose(actual, expected)
     assert tree_allclose(actual, jax.vmap(mlp)(x))
+
+
+def _numpy_only(leaf):
+    return 0 if isinstance(leaf, np.ndarray) else None
+
+
+@pytest.mark.parametrize("chunk_size", (None, 3))
+def test_in_axes_callable_sees_the_callers_leaves(chunk_size):
+    # Resolved once, on the leaves as passed: a NumPy array is mapped, a JAX array
+    # is not, also when the chunked call is compiled (and `fun` sees tracers).
+    f = lambda x, y: x + y
+    x, y = np.arange(30.0).reshape(10, 3), jnp.ones(3)
+    expected = eqx.filter_vmap(f, in_axes=_numpy_only)(x, y)
+    actual = fc.filter_chunked_vmap(f, in_axes=_numpy_only, chunk_size=chunk_size)
+    assert tree_allclose(actual(x, y), expected)
+    g = lambda x, y: x + y[None]
+    apply = fc.filter_chunked_apply(g, in_axes=_numpy_only, chunk_size=chunk_size)
+    assert tree_allclose(apply(x, y), g(x, y))

@@ -1,11 +1,13 @@
 """`out_axes`: where the batch axis goes in each output, or `None` for none."""
 
+import warnings
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -124,4 +126,35 @@ def test_prng_key_output_axis(getkey):
     f = lambda k: jr.split(k, 3)
     expected = eqx.filter_vmap(f, out_axes=1)(keys)
     actual = fc.filter_chunked_vmap(f, out_axes=1, chunk_size=2)(keys)
+    assert tree_allclose(actual, expected)
+
+
+@pytest.mark.parametrize("chunk_size", (None, 2))
+@pytest.mark.parametrize(
+    "out_axes",
+    (True, False, lambda _: np.int64(1), lambda _: True, {"a": True, "b": np.int64}),
+    ids=("True", "False", "callable-np.int64", "callable-True", "mixed"),
+)
+def test_out_axes_take_any_integer_as_equinox(out_axes, chunk_size, getkey):
+    if isinstance(out_axes, dict):
+        out_axes = {"a": True, "b": lambda _: np.int64(-1)}
+        f = lambda x: {"a": x, "b": x * 2}
+    else:
+        f = lambda x: x
+    x = jr.normal(getkey(), (5, 3))
+    with warnings.catch_warnings():
+        # Equinox keeps a NumPy axis in a static field, and warns about it.
+        warnings.simplefilter("ignore", UserWarning)
+        expected = eqx.filter_vmap(f, out_axes=out_axes)(x)
+    actual = fc.filter_chunked_vmap(f, out_axes=out_axes, chunk_size=chunk_size)(x)
+    assert tree_allclose(actual, expected)
+
+
+@pytest.mark.parametrize("chunk_size", (None, 2))
+def test_bool_axis_size_is_an_int(chunk_size):
+    f = lambda: jnp.ones(2)
+    expected = eqx.filter_vmap(f, in_axes=None, axis_size=True)()
+    actual = fc.filter_chunked_vmap(
+        f, in_axes=None, axis_size=True, chunk_size=chunk_size
+    )()
     assert tree_allclose(actual, expected)

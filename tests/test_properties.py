@@ -114,3 +114,22 @@ def test_shapes_match(case):
     actual = eqx.filter_eval_shape(_chunked(case, case.chunk_size), case.tree)
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
     assert tree_allclose(actual, expected)
+
+
+@given(_cases(), st.data())
+def test_numpy_leaves_under_jit(case, data):
+    # Under `jit`, the NumPy leaves that the caller closes over reach the chunking
+    # core as NumPy arrays next to traced ones (the first leaf, always mapped, is
+    # one of them); the package runs type-checked under pytest.
+    leaves = case.tree["leaves"]
+    traced = [False] + [data.draw(st.booleans()) for _ in leaves[1:]]
+    chunked = _chunked(case, case.chunk_size)
+
+    @eqx.filter_jit
+    def run(_traced, n):
+        it = iter(_traced)
+        tree_leaves = tuple(next(it) if t else x for x, t in zip(leaves, traced))
+        return chunked(dict(case.tree, leaves=tree_leaves, n=n))
+
+    actual = run([jnp.asarray(x) for x, t in zip(leaves, traced) if t], jnp.asarray(3))
+    assert tree_allclose(actual, _oracle(case)(case.tree))
