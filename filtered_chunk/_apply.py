@@ -26,6 +26,12 @@ from ._axes import (
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
+from ._progress import (
+    AbstractProgressMeter,
+    check_meter,
+    closing_on_error,
+    is_reporting,
+)
 
 
 _API = "filter_chunked_apply"
@@ -128,12 +134,19 @@ class _ChunkedApplyWrapper(eqx.Module):
     _chunk_size: int | None
     _remainder: str
     _checkpoint: CheckpointSpec
+    _progress_meter: AbstractProgressMeter | None = None
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if is_reporting(self._progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: Any, kwargs: Any) -> Any:
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
         )
@@ -173,6 +186,8 @@ class _ChunkedApplyWrapper(eqx.Module):
                 chunk_size=self._chunk_size,
                 remainder=self._remainder,
                 checkpoint=self._checkpoint,
+                progress_meter=self._progress_meter,
+                api=_API,
             )
             if jtu.tree_leaves(out.unbatched):
                 _check_unbatched(chunk_fn, mapped, in_axes, self._chunk_size)
@@ -193,6 +208,7 @@ def filter_chunked_apply(
     chunk_size: int | None = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -205,6 +221,7 @@ def filter_chunked_apply(
     chunk_size: int | None = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -217,6 +234,7 @@ def filter_chunked_apply(
     chunk_size: int | None = None,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """Calls `fun`, a function already vectorised over a batch, on `chunk_size`
     elements of the batch at a time, to bound peak memory.
@@ -261,6 +279,12 @@ def filter_chunked_apply(
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save.
+    - `progress_meter`: keyword-only. Reports the elements done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. Only a call split into chunks
+        reports. See the guide on progress.
 
     **Returns:**
 
@@ -298,8 +322,10 @@ def filter_chunked_apply(
             chunk_size=chunk_size,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     _check_arguments(in_axes, out_axes, chunk_size, remainder)
+    check_meter(progress_meter, _API)
     wrapper = _ChunkedApplyWrapper(
         _fun=fun,
         _in_axes=in_axes,
@@ -307,6 +333,7 @@ def filter_chunked_apply(
         _chunk_size=chunk_size,
         _remainder=remainder,
         _checkpoint=checkpoint,
+        _progress_meter=progress_meter,
     )
     return eqx.module_update_wrapper(wrapper)
 

@@ -28,6 +28,12 @@ from ._basis import (
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
+from ._progress import (
+    AbstractProgressMeter,
+    check_meter,
+    closing_on_error,
+    is_reporting,
+)
 
 
 class Options(eqx.Module):
@@ -41,6 +47,7 @@ class Options(eqx.Module):
     remainder: str
     checkpoint: CheckpointSpec
     api: str
+    progress_meter: AbstractProgressMeter | None = None
 
 
 def _jacrev(
@@ -60,7 +67,15 @@ def _jacrev(
         return ChunkOutput(cotangents, axes, None, None)
 
     _, total = offsets(y)
-    rows = in_chunks(_rows, total, o.chunk_size, o.remainder, o.checkpoint).batched
+    rows = in_chunks(
+        _rows,
+        total,
+        o.chunk_size,
+        o.remainder,
+        o.checkpoint,
+        o.progress_meter,
+        o.api,
+    ).batched
     example = dynamic[0] if isinstance(o.argnums, int) else dynamic
     rows = rows[0] if isinstance(o.argnums, int) else rows
 
@@ -94,7 +109,15 @@ def _jacfwd(
         return ChunkOutput(tangents, axes, unbatched, static)
 
     _, total = offsets(dynamic)
-    out = in_chunks(_columns, total, o.chunk_size, o.remainder, o.checkpoint)
+    out = in_chunks(
+        _columns,
+        total,
+        o.chunk_size,
+        o.remainder,
+        o.checkpoint,
+        o.progress_meter,
+        o.api,
+    )
     y, aux = eqx.combine(out.unbatched, out.static)
     rule = outputs_rule(o.holomorphic, rev=False)
     check_dtypes((y,), ["output"], rule, "the output", o.api)
@@ -120,6 +143,12 @@ class Jacobian(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        if is_reporting(self._options.progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._options.chunk_size is not None and not is_traced((self, args, kwargs)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
             return call_compiled(lambda _t: self._call(*_t), (args, kwargs))
@@ -139,6 +168,7 @@ class Jacobian(eqx.Module):
 def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
     """Checks the options and wraps `fun` in a `Jacobian`."""
     check_chunking(options.chunk_size, options.remainder, options.api)
+    check_meter(options.progress_meter, options.api)
     return eqx.module_update_wrapper(Jacobian(fun, options, rev))
 
 
@@ -152,6 +182,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -166,6 +197,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -180,6 +212,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """The Jacobian of `fun` by reverse-mode autodiff, like `jax.jacrev`, built
     `chunk_size` rows at a time to bound peak memory.
@@ -212,6 +245,11 @@ def chunked_jacrev(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the rows done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -245,6 +283,7 @@ def chunked_jacrev(
             allow_int=allow_int,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         argnums,
@@ -255,6 +294,7 @@ def chunked_jacrev(
         remainder,
         checkpoint,
         "chunked_jacrev",
+        progress_meter,
     )
     return build(fun, options, rev=True)
 
@@ -268,6 +308,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -281,6 +322,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -294,6 +336,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """The Jacobian of `fun` by forward-mode autodiff, like `jax.jacfwd`, built
     `chunk_size` columns at a time to bound peak memory.
@@ -322,6 +365,11 @@ def chunked_jacfwd(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the columns done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -364,6 +412,7 @@ def chunked_jacfwd(
             holomorphic=holomorphic,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         argnums,
@@ -374,5 +423,6 @@ def chunked_jacfwd(
         remainder,
         checkpoint,
         "chunked_jacfwd",
+        progress_meter,
     )
     return build(fun, options, rev=False)

@@ -33,6 +33,7 @@ from jaxtyping import Array, PyTree
 from ._axes import describe, is_array
 from ._chunking import ChunkFn, ChunkOutput
 from ._collectives import collectives_over
+from ._progress import sharded
 
 
 SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
@@ -252,7 +253,8 @@ def run_sharded(
     shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
 
     def _local(_arrays: PyTree[Array], _mapped: PyTree[Array]) -> tuple[Any, Any]:
-        _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
+        with sharded(sharding.axis_names, num_devices):  # one meter, not one a device
+            _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
         return _out.batched, _out.unbatched
 
     in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))

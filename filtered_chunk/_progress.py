@@ -1,0 +1,497 @@
+"""Progress meters: elements done out of the batch size, reported by the loop.
+
+Each step of the loop over chunks calls back to the host once, with the number of
+elements done (`min(end of the step, batch_size)`, so the overlapping last chunk
+never counts twice) and one element of the step's outputs: a data dependency, so
+that the call happens after the step's work rather than wherever XLA schedules it.
+The first step's report opens a meter's state and the last one closes it, so each
+*execution* of a compiled program gets its own state, and a loop that reported
+nothing costs nothing.
+
+The callback is a primitive of this module rather than `jax.debug.callback`, for
+two reasons measured here (`benchmarks/progress.py`): `jax.debug.callback` wraps
+its callable in a new closure on every trace, which would defeat the compiled
+program cache of eager calls (keyed on the identity of the callables in the jaxpr,
+see `_eager.py`), and its host side copies the operands with `jax.device_put`,
+about 80 us per call against 3 us here. The primitive behaves as a debug callback
+for JAX's transformations: it has JAX's (unordered) debug effect, which
+`custom_jvp`, `checkpoint` and control flow allow; it has no tangent and no
+transpose; partial evaluation keeps it with its known operands, so reverse mode
+calls it in the forward pass only; under `vmap` its operands are reduced to one
+element, so an outer `vmap` reports once per step.
+"""
+
+import abc
+import atexit
+import contextlib
+import contextvars
+import dataclasses
+import functools as ft
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.extend.core as jex
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax._src import callback as _callback, debugging as _debugging, sharding_impls
+from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
+from jaxtyping import Array, PyTree
+
+
+class AbstractProgressMeter(eqx.Module):
+    """The base class of progress meters: subclass it to report the progress of
+    chunked calls anywhere (a log, an experiment tracker, a GUI).
+
+    A meter is an `equinox.Module` whose three methods run on the host, called
+    from the compiled program while it runs: `open` when the first chunk of a call
+    is done, `update` after every chunk, `close` after the last one. They run once
+    per execution of the loop, not per trace, so under `jax.jit` each call of the
+    compiled function gets its own `open`/`close` pair. The counts are elements of
+    the batch (rows or columns for the Jacobians), never more than `total`, and
+    never decreasing.
+
+    Keep the fields hashable (numbers, strings, `eqx.field(static=True)` objects):
+    a meter is part of the compiled program's identity, so that calling a chunked
+    transform outside `jax.jit` reuses the compiled program.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        class PrintPercent(fc.AbstractProgressMeter):
+            def open(self, label, total):
+                return {"label": label, "total": total}
+
+            def update(self, state, done):
+                print(f"{state['label']}: {100 * done // state['total']}%")
+
+            def close(self, state):
+                print(f"{state['label']}: done")
+
+        f = fc.filter_chunked_vmap(
+            jnp.sin, chunk_size=4, progress_meter=PrintPercent()
+        )
+        f(jnp.arange(10.0))  # prints 40%, 80%, 100%, done
+        ```
+    """
+
+    @abc.abstractmethod
+    def open(self, label: str, total: int) -> Any:
+        """Called when a call's first chunk is done, with the meter's label (or
+        the transform's name) and the batch size; returns this call's state,
+        which is passed to `update` and `close`."""
+
+    @abc.abstractmethod
+    def update(self, state: Any, done: int) -> None:
+        """Called after each chunk with the number of elements done so far."""
+
+    @abc.abstractmethod
+    def close(self, state: Any) -> None:
+        """Called once per call: after the last chunk (just after its `update`
+        reported `done == total`), or, if the call failed, when its failure
+        reaches Python (outside `jax.jit`) or when the next execution starts."""
+
+
+class NoProgressMeter(AbstractProgressMeter):
+    """Reports nothing (the default). The compiled program is exactly the one
+    built without a meter: no callback, no cost.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        f = fc.filter_chunked_vmap(
+            jnp.sin, chunk_size=4, progress_meter=fc.NoProgressMeter()
+        )
+        assert jnp.allclose(f(jnp.arange(10.0)), jnp.sin(jnp.arange(10.0)))
+        ```
+    """
+
+    def open(self, label: str, total: int) -> None:
+        del label, total
+
+    def update(self, state: Any, done: int) -> None:
+        del state, done
+
+    def close(self, state: Any) -> None:
+        del state
+
+
+class _TextState:
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total = label, total
+        self.printed = 0
+        self.start = time.perf_counter()
+
+
+class TextProgressMeter(AbstractProgressMeter):
+    """Prints a few plain lines per call to standard output: for logs and CI,
+    where a redrawn bar would leave control characters.
+
+    One line when the first chunk is done, then one each time the elements done
+    grow by at least `minimum_increase` of the batch, and one when the call is
+    done, with its duration.
+
+    **Arguments:**
+
+    - `label`: the name printed on each line; `None` (the default) prints the
+        transform's name, such as `filter_chunked_vmap`.
+    - `minimum_increase`: the fraction of the batch between two lines. Defaults
+        to `0.25`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        meter = fc.TextProgressMeter(label="sines")
+        f = fc.filter_chunked_vmap(jnp.sin, chunk_size=100, progress_meter=meter)
+        f(jnp.zeros(1000))
+        # sines: 100/1000 (10%)
+        # sines: 400/1000 (40%)
+        # ...
+        ```
+    """
+
+    label: str | None = None
+    minimum_increase: float = 0.25
+
+    def open(self, label: str, total: int) -> _TextState:
+        return _TextState(label, total)
+
+    def update(self, state: _TextState, done: int) -> None:
+        step = max(1, int(self.minimum_increase * state.total))
+        if done == state.total or (state.printed and done - state.printed < step):
+            return
+        state.printed = done
+        print(f"{state.label}: {_fraction(done, state.total)}", flush=True)
+
+    def close(self, state: _TextState) -> None:
+        seconds = time.perf_counter() - state.start
+        print(
+            f"{state.label}: {_fraction(state.printed, state.total)} done "
+            f"in {seconds:.2f} s",
+            flush=True,
+        )
+
+
+def _fraction(done: int, total: int) -> str:
+    return f"{done}/{total} ({100 * done // max(total, 1)}%)"
+
+
+def _import_tqdm() -> Any:
+    try:
+        import tqdm.auto
+    except ImportError as e:
+        raise ImportError(
+            "`filtered_chunk.TqdmProgressMeter` needs the `tqdm` package, which is "
+            "not installed. Install it with `pip install tqdm` (or `pip install "
+            "filtered_chunk[progress]`), or use `filtered_chunk.TextProgressMeter`."
+        ) from e
+    return tqdm.auto
+
+
+class TqdmProgressMeter(AbstractProgressMeter):
+    """Shows a [tqdm](https://tqdm.github.io) bar per call, counting elements of
+    the batch. Needs `tqdm`: `pip install filtered_chunk[progress]`.
+
+    **Arguments:**
+
+    - `label`: the bar's description; `None` (the default) shows the transform's
+        name, such as `filter_chunked_vmap`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        meter = fc.TqdmProgressMeter(label="sines")
+        f = fc.filter_chunked_vmap(jnp.sin, chunk_size=100, progress_meter=meter)
+        f(jnp.zeros(1000))
+        # sines: 100%|██████████| 1000/1000 [00:00<00:00, 9.1e+04 elements/s]
+        ```
+    """
+
+    label: str | None = None
+
+    def __check_init__(self) -> None:
+        _import_tqdm()  # fail when the transform is built, not in a callback
+
+    def open(self, label: str, total: int) -> Any:
+        return _import_tqdm().tqdm(total=total, desc=label, unit=" elements")
+
+    def update(self, state: Any, done: int) -> None:
+        state.update(done - state.n)
+
+    def close(self, state: Any) -> None:
+        state.close()
+
+
+# Host side: the meter state of each loop that is running, keyed by its reporter.
+_lock = threading.RLock()
+_running: dict["Reporter", tuple[int, Any]] = {}
+_serial = itertools.count()
+
+
+def _close(reporter: "Reporter") -> None:
+    _, state = _running.pop(reporter)
+    reporter.meter.close(state)
+
+
+@contextlib.contextmanager
+def closing_on_error() -> Iterator[None]:
+    """Closes the meters a failing call opened (outside `jit` the failure of a
+    compiled program reaches Python here)."""
+    first = next(_serial)
+    try:
+        yield
+    except BaseException:
+        with _lock:
+            for reporter in [r for r, (n, _) in _running.items() if n > first]:
+                _close(reporter)
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        for reporter in list(_running):
+            _close(reporter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reporter:
+    """What a loop reports to its meter: a callable, equal across traces of the
+    same loop (so that eager calls hit the compiled program cache)."""
+
+    meter: AbstractProgressMeter
+    label: str
+    total: int  # the batch size, over all devices
+    first: int  # the elements one device has done after its first step
+    last: int  # ... after its last step
+    scale: int  # the number of devices the batch is split over
+
+    def __hash__(self) -> int:
+        try:
+            return hash((self.meter, self.label, self.total, self.first, self.last))
+        except TypeError:  # an unhashable meter: compare it by identity
+            return hash((id(self.meter), self.label, self.total))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Reporter):
+            return NotImplemented
+        try:
+            same = bool(self.meter == other.meter)
+        except Exception:
+            same = self.meter is other.meter
+        return same and dataclasses.astuple(self)[1:] == dataclasses.astuple(other)[1:]
+
+    def __call__(self, done: Any, device: Any, *dependencies: Any) -> None:
+        del dependencies
+        if int(device) != 0:
+            return  # one report per step for a sharded batch: the first shard's
+        done = int(done)
+        with _lock:
+            if done == self.first:
+                if self in _running:  # a failed execution's
+                    _close(self)
+                state = self.meter.open(self.label, self.total)
+                _running[self] = (next(_serial), state)
+            if self not in _running:
+                return
+            _, state = _running[self]
+            count = (
+                self.total if done >= self.last else min(done * self.scale, self.total)
+            )
+            self.meter.update(state, count)
+            if done >= self.last:
+                _close(self)
+
+
+# The primitive: a debug callback with a stable callable and a lean host call.
+progress_p = jex.Primitive("chunk_progress")
+progress_p.multiple_results = True
+
+
+@progress_p.def_impl
+def _impl(*args: Any, callback: Reporter) -> list[Any]:
+    callback(*args)
+    return []
+
+
+@progress_p.def_effectful_abstract_eval
+def _abstract_eval(*avals: Any, callback: Reporter) -> tuple[list[Any], set[Any]]:
+    del avals, callback
+    return [], {_debugging.debug_effect}
+
+
+def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    # Report once per step, not once per element of an outer `vmap`.
+    args = [
+        x if d is None else lax.index_in_dim(x, 0, d, keepdims=False)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    return progress_p.bind(*args, **params), []
+
+
+batching.primitive_batchers[progress_p] = _batch
+ad.primitive_jvps[progress_p] = lambda primals, tangents, **params: (
+    progress_p.bind(*primals, **params),
+    [],
+)
+ad.primitive_transposes[progress_p] = lambda _, *args, **params: [None] * len(args)
+pe.partial_eval_jaxpr_custom_rules[progress_p] = ft.partial(
+    _debugging._debug_partial_eval_custom, primitive=progress_p
+)
+
+
+def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        # Inside `shard_map`, JAX's own debug callback knows how to place it.
+        return _debugging.debug_callback_lowering(
+            ctx,
+            *args,
+            effect=_debugging.debug_effect,
+            partitioned=False,
+            callback=callback,
+        )
+    sharding = None
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        # Run it once, on the first device, as `jax.debug.callback` does.
+        sharding = sharding_impls.SdyArrayList(
+            (
+                sharding_impls.SdyArray(
+                    mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
+                ),
+            )
+        )
+
+    def _host(*flat: Any) -> tuple[()]:
+        callback(*flat)
+        return ()
+
+    _callback.emit_python_callback(
+        ctx,
+        _host,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return []
+
+
+mlir.register_lowering(progress_p, _lower, platform="cpu")
+mlir.register_lowering(progress_p, _lower, platform="gpu")
+
+
+# Trace side.
+class _Context:
+    outer: bool = False  # inside the loop of a chunked call that reports
+    axis_names: tuple[str, ...] = ()
+    num_devices: int = 1
+
+
+_context: contextvars.ContextVar[_Context] = contextvars.ContextVar(
+    "filtered_chunk_progress", default=_Context()
+)
+
+
+@contextlib.contextmanager
+def _set(**changes: Any) -> Iterator[None]:
+    context = _Context()
+    context.__dict__.update(vars(_context.get()), **changes)
+    token = _context.set(context)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def sharded(axis_names: tuple[str, ...], num_devices: int) -> Any:
+    """While tracing one device's loop inside `shard_map`: report once, scaled."""
+    return _set(axis_names=axis_names, num_devices=num_devices)
+
+
+def is_reporting(meter: AbstractProgressMeter | None) -> bool:
+    return meter is not None and not isinstance(meter, NoProgressMeter)
+
+
+def reporter(
+    meter: AbstractProgressMeter | None,
+    api: str,
+    batch_size: int,
+    chunk_size: int,
+    remainder: str,
+) -> Reporter | None:
+    """What a loop reports to `meter`: `None` if nothing (no meter, or inside the
+    loop of an outer chunked call that reports, since nested bars interleave)."""
+    context = _context.get()
+    if not is_reporting(meter) or context.outer:
+        return None
+    assert meter is not None
+    num_steps = -(-batch_size // chunk_size)
+    if remainder == "overlap":  # even chunks, the last ending at `batch_size`
+        first, last = -(-batch_size // num_steps), batch_size
+    else:  # whole chunks; the remainder is evaluated after the loop
+        first, last = chunk_size, batch_size // chunk_size * chunk_size
+    label = getattr(meter, "label", None) or api
+    scale = context.num_devices
+    return Reporter(meter, label, batch_size * scale, first, last, scale)
+
+
+def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
+    """`fn`, traced so that the chunked calls inside it do not report, if the
+    loop calling it does."""
+    if found is None:
+        return fn
+
+    @ft.wraps(fn)
+    def _quiet(*args: Any, **kwargs: Any) -> Any:
+        with _set(outer=True):
+            return fn(*args, **kwargs)
+
+    return _quiet
+
+
+def _dependency(tree: PyTree[Array]) -> list[Array]:
+    """One element of the first numeric array of `tree` that has one."""
+    for x in jtu.tree_leaves(tree):
+        if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool):
+            return [lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())]
+    return []
+
+
+def report_step(found: Reporter | None, done: Array, outputs: PyTree[Array]) -> None:
+    """Reports `done` elements after the step that computed `outputs`."""
+    if found is None:
+        return
+    names = _context.get().axis_names
+    device = lax.axis_index(names) if names else jnp.zeros((), jnp.int32)
+    done = jnp.asarray(done, jnp.int32)
+    progress_p.bind(done, device, *_dependency(outputs), callback=found)
+
+
+def check_meter(meter: Any, api: str) -> None:
+    if meter is not None and not isinstance(meter, AbstractProgressMeter):
+        raise TypeError(
+            f"`{api}(..., progress_meter=...)` must be a "
+            "`filtered_chunk.AbstractProgressMeter` (such as "
+            "`filtered_chunk.TqdmProgressMeter()`) or `None`, got "
+            f"{type(meter).__name__} object {meter!r}."
+        )
