@@ -38,7 +38,12 @@ import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import callback as _callback, debugging as _debugging, sharding_impls
+from jax._src import (
+    callback as _callback,
+    debugging as _debugging,
+    named_sharding,
+    sharding_impls,
+)
 from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
 from jaxtyping import Array, PyTree
 
@@ -129,7 +134,7 @@ class NoProgressMeter(AbstractProgressMeter):
 class _TextState:
     def __init__(self, label: str, total: int) -> None:
         self.label, self.total = label, total
-        self.printed = 0
+        self.done = self.printed = 0
         self.start = time.perf_counter()
 
 
@@ -159,7 +164,8 @@ class TextProgressMeter(AbstractProgressMeter):
         f(jnp.zeros(1000))
         # sines: 100/1000 (10%)
         # sines: 400/1000 (40%)
-        # ...
+        # sines: 700/1000 (70%)
+        # sines: 1000/1000 (100%) done in 0.01 s
         ```
     """
 
@@ -170,16 +176,18 @@ class TextProgressMeter(AbstractProgressMeter):
         return _TextState(label, total)
 
     def update(self, state: _TextState, done: int) -> None:
+        state.done = done
         step = max(1, int(self.minimum_increase * state.total))
         if done == state.total or (state.printed and done - state.printed < step):
-            return
+            return  # the last line is printed by `close`
         state.printed = done
         print(f"{state.label}: {_fraction(done, state.total)}", flush=True)
 
     def close(self, state: _TextState) -> None:
         seconds = time.perf_counter() - state.start
+        end = "done" if state.done == state.total else "stopped"
         print(
-            f"{state.label}: {_fraction(state.printed, state.total)} done "
+            f"{state.label}: {_fraction(state.done, state.total)} {end} "
             f"in {seconds:.2f} s",
             flush=True,
         )
@@ -372,7 +380,7 @@ def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
         # Run it once, on the first device, as `jax.debug.callback` does.
         sharding = sharding_impls.SdyArrayList(
             (
-                sharding_impls.SdyArray(
+                named_sharding.SdyArray(
                     mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
                 ),
             )
