@@ -406,6 +406,8 @@ def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
 
 mlir.register_lowering(progress_p, _lower, platform="cpu")
 mlir.register_lowering(progress_p, _lower, platform="gpu")
+# Python callbacks use channel IDs on TPU, which must not be cached.
+mlir.register_lowering(progress_p, _lower, platform="tpu", cacheable=False)
 
 
 # Trace side.
