@@ -23,14 +23,14 @@ import filtered_chunk as fc
 from filtered_chunk import _eager
 
 from .helpers import tree_allclose
-from .meters import check_one_call, recorder, Recorder
+from .meters import check_one_call, Recorder, recorder
 
 
 REMAINDERS = ("overlap", "separate")
 W = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
 
 
-def _vmap(meter: Any, remainder: str, **kw: Any) -> tuple[Callable, Callable, Any]:
+def _vmap(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
     f = lambda x, y: jnp.sin(x) * y
     chunked = fc.filter_chunked_vmap(
         f, in_axes=(0, None), chunk_size=4, remainder=remainder, **kw
@@ -39,19 +39,19 @@ def _vmap(meter: Any, remainder: str, **kw: Any) -> tuple[Callable, Callable, An
     return chunked, eqx.filter_vmap(f, in_axes=(0, None)), (x, 2.0)
 
 
-def _apply(meter: Any, remainder: str, **kw: Any) -> tuple[Callable, Callable, Any]:
+def _apply(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
     f = lambda x: jnp.tanh(x @ W)
     chunked = fc.filter_chunked_apply(f, chunk_size=4, remainder=remainder, **kw)
     return chunked, f, (jnp.linspace(0.0, 1.0, 30).reshape(10, 3),)
 
 
-def _jacrev(meter: Any, remainder: str, **kw: Any) -> tuple[Callable, Callable, Any]:
+def _jacrev(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
     f = lambda x: jnp.tanh(jnp.outer(x, x[:3])).ravel()  # 15 rows
     chunked = fc.chunked_jacrev(f, chunk_size=4, remainder=remainder, **kw)
     return chunked, jax.jacrev(f), (jnp.linspace(0.0, 1.0, 5),)
 
 
-def _jacfwd(meter: Any, remainder: str, **kw: Any) -> tuple[Callable, Callable, Any]:
+def _jacfwd(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
     f = lambda x: jnp.sin(x) * jnp.sum(x)  # 10 columns
     chunked = fc.chunked_jacfwd(f, chunk_size=4, remainder=remainder, **kw)
     return chunked, jax.jacfwd(f), (jnp.linspace(0.0, 1.0, 10),)
@@ -61,13 +61,13 @@ def _model() -> eqx.nn.Linear:
     return eqx.nn.Linear(3, 10, key=jr.key(0))
 
 
-def _filter_jacrev(meter: Any, remainder: str, **kw: Any) -> tuple:
+def _filter_jacrev(meter: Any, remainder: Any, **kw: Any) -> tuple:
     f = lambda m, x: m(x)  # 10 rows
     chunked = fc.filter_chunked_jacrev(f, chunk_size=4, remainder=remainder, **kw)
     return chunked, eqx.filter_jacrev(f), (_model(), jnp.ones(3))
 
 
-def _filter_jacfwd(meter: Any, remainder: str, **kw: Any) -> tuple:
+def _filter_jacfwd(meter: Any, remainder: Any, **kw: Any) -> tuple:
     f = lambda m, x: m(x)[:2]  # 3 * 10 + 10 = 40 columns
     model = _model()
     chunked = fc.filter_chunked_jacfwd(f, chunk_size=12, remainder=remainder, **kw)
