@@ -25,7 +25,6 @@ import abc
 import atexit
 import contextlib
 import contextvars
-import dataclasses
 import functools as ft
 import itertools
 import threading
@@ -252,9 +251,15 @@ _running: dict["Reporter", tuple[int, Any]] = {}
 _serial = itertools.count()
 
 
+def _call(meter: AbstractProgressMeter, method: str, *args: Any) -> Any:
+    # Through the class: an `eqx.Module`'s bound method costs about 50 us to make,
+    # once per step (`benchmarks/progress.py`).
+    return getattr(type(meter), method)(meter, *args)
+
+
 def _close(reporter: "Reporter") -> None:
     _, state = _running.pop(reporter)
-    reporter.meter.close(state)
+    _call(reporter.meter, "close", state)
 
 
 @contextlib.contextmanager
@@ -278,32 +283,51 @@ def _close_all() -> None:
             _close(reporter)
 
 
-@dataclasses.dataclass(frozen=True)
 class Reporter:
     """What a loop reports to its meter: a callable, equal across traces of the
     same loop (so that eager calls hit the compiled program cache)."""
 
-    meter: AbstractProgressMeter
-    label: str
-    total: int  # the batch size, over all devices
-    first: int  # the elements one device has done after its first step
-    last: int  # ... after its last step
-    scale: int  # the number of devices the batch is split over
+    __slots__ = (
+        *("meter", "label", "total", "first", "last", "scale", "_key", "_hash"),
+        "__weakref__",  # JAX keeps weak references to parameters
+    )
+
+    def __init__(
+        self,
+        meter: AbstractProgressMeter,
+        label: str,
+        total: int,  # the batch size, over all devices
+        first: int,  # the elements one device has done after its first step
+        last: int,  # ... after its last step
+        scale: int,  # the number of devices the batch is split over
+    ) -> None:
+        self.meter, self.label, self.total = meter, label, total
+        self.first, self.last, self.scale = first, last, scale
+        try:
+            self._hash = hash(meter)
+            key: Any = meter
+        except TypeError:  # an unhashable meter: compare it by identity
+            key = self._hash = id(meter)
+        # Hashed once: the host looks the reporter up on every step.
+        self._key = (key, label, total, first, last, scale)
+        self._hash = hash((self._hash, *self._key[1:]))
 
     def __hash__(self) -> int:
-        try:
-            return hash((self.meter, self.label, self.total, self.first, self.last))
-        except TypeError:  # an unhashable meter: compare it by identity
-            return hash((id(self.meter), self.label, self.total))
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Reporter):
-            return NotImplemented
-        try:
-            same = bool(self.meter == other.meter)
-        except Exception:
-            same = self.meter is other.meter
-        return same and dataclasses.astuple(self)[1:] == dataclasses.astuple(other)[1:]
+        if self is other:
+            return True
+        if not isinstance(other, Reporter) or self._hash != other._hash:
+            return False
+        return bool(self._key == other._key)
+
+    def __repr__(self) -> str:
+        return (
+            f"Reporter(meter={self.meter!r}, label={self.label!r}, "
+            f"total={self.total}, first={self.first}, last={self.last}, "
+            f"scale={self.scale})"
+        )
 
     def __call__(self, done: Any, device: Any, *dependencies: Any) -> None:
         del dependencies
@@ -314,7 +338,7 @@ class Reporter:
             if done == self.first:
                 if self in _running:  # a failed execution's
                     _close(self)
-                state = self.meter.open(self.label, self.total)
+                state = _call(self.meter, "open", self.label, self.total)
                 _running[self] = (next(_serial), state)
             if self not in _running:
                 return
@@ -322,7 +346,7 @@ class Reporter:
             count = (
                 self.total if done >= self.last else min(done * self.scale, self.total)
             )
-            self.meter.update(state, count)
+            _call(self.meter, "update", state, count)
             if done >= self.last:
                 _close(self)
 
