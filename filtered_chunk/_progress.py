@@ -383,9 +383,22 @@ ad.primitive_jvps[progress_p] = lambda primals, tangents, **params: (
     [],
 )
 ad.primitive_transposes[progress_p] = lambda _, *args, **params: [None] * len(args)
-pe.partial_eval_jaxpr_custom_rules[progress_p] = ft.partial(
-    _debugging._debug_partial_eval_custom, primitive=progress_p
-)
+
+
+def _partial_eval_custom(
+    saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any
+) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
+    """Known operands: report in the known (forward) jaxpr only. A debug callback
+    would also be staged into the rematerialised one, so that the forward pass of
+    a `jax.checkpoint` around a chunked call would be reported twice."""
+    del saveable
+    if any(unks_in):
+        residuals = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
+        return None, eqn, [], [], residuals
+    return eqn, None, [], [], []
+
+
+pe.partial_eval_jaxpr_custom_rules[progress_p] = _partial_eval_custom
 
 
 def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:

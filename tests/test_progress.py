@@ -195,6 +195,19 @@ def test_reverse_mode_reports_the_forward_pass_once(name, remainder):
     check_one_call(meter, name, total, calls=3)
 
 
+def test_checkpoint_around_a_call_reports_once():
+    # `jax.checkpoint` reruns the forward pass in the backward pass: that rerun
+    # reports nothing (a `jax.debug.callback` would report it again).
+    meter = recorder()
+    f = fc.filter_chunked_vmap(jnp.sin, chunk_size=3, progress_meter=meter)
+    x = jnp.linspace(0.0, 1.0, 10)
+    loss = lambda f: jax.checkpoint(lambda x: jnp.sum(f(x) ** 2))
+    expected = jax.grad(loss(jax.vmap(jnp.sin)))(x)
+    assert tree_allclose(jax.jit(jax.grad(loss(f)))(x), expected)
+    check_one_call(meter, "filter_chunked_vmap", 10)
+    assert meter.counts() == [3, 6, 9, 10]
+
+
 def test_forward_mode_reports_once():
     meter = recorder()
     f = fc.filter_chunked_vmap(jnp.sin, chunk_size=3, progress_meter=meter)
