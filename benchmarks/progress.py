@@ -132,7 +132,7 @@ def callback_costs(repeats: int) -> None:
             i, y = carry
             y = jnp.sin(y)
             if kind == "chunk_progress":
-                _progress.report_step(reporter, i + 1, y)
+                _progress.report_step(reporter, i, 1, y)
             elif kind == "jax.debug.callback":
                 jax.debug.callback(lambda *_: None, i, y[0])
             return (i + 1, y), None

@@ -176,7 +176,7 @@ def _run(
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = step(fn, inputs, start, loop)
         # Outside the checkpointed step: rematerialisation does not report again.
-        report_step(loop.reporter, start + loop.chunk_size, (_chunk, _unbatched))
+        report_step(loop.reporter, start, loop.chunk_size, (_chunk, _unbatched))
         return (loop.write(_buffers, _chunk, start), _unbatched, index + 1), None
 
     init = (buffers, unbatched, jnp.zeros((), jnp.int32))
@@ -207,7 +207,7 @@ def _run_jvp(
             fn, t_fn, inputs, start, _t_chunk, loop
         )
         # Its operands are primal values: reverse mode reports in the forward pass.
-        report_step(loop.reporter, start + loop.chunk_size, (_chunk, _unbatched))
+        report_step(loop.reporter, start, loop.chunk_size, (_chunk, _unbatched))
         carry = (loop.write(_buffers, _chunk, start), _unbatched, _t_unbatched)
         return carry, _t_out
 

@@ -524,13 +524,16 @@ def _dependency(tree: PyTree[Array]) -> list[Array]:
     return []
 
 
-def report_step(found: Reporter | None, done: Array, outputs: PyTree[Array]) -> None:
-    """Reports `done` elements after the step that computed `outputs`."""
+def report_step(
+    found: Reporter | None, start: Array, size: int, outputs: PyTree[Array]
+) -> None:
+    """Reports the elements done after the step of `size` elements at `start`
+    that computed `outputs` (nothing at all without a reporter)."""
     if found is None:
         return
     names = _context.get().axis_names
     device = lax.axis_index(names) if names else jnp.zeros((), jnp.int32)
-    done = jnp.asarray(done, jnp.int32)
+    done = jnp.asarray(start + size, jnp.int32)
     progress_p.bind(done, device, *_dependency(outputs), callback=found)
 
 
