@@ -27,7 +27,7 @@ import jax.random as jr
 import numpy as np
 
 import filtered_chunk as fc
-from filtered_chunk import _progress
+from filtered_chunk import _reporting
 
 
 class SilentMeter(fc.AbstractProgressMeter):
@@ -81,9 +81,8 @@ def chunk_for(target: float, params: Any, x: jax.Array) -> int:
     size = 64
     while True:
         f = jax.jit(jax.vmap(mlp, in_axes=(None, 0)))
-        seconds = statistics.median(
-            [once(f, params, x[:size])[0] for _ in range(5)][1:]
-        )
+        # The fastest of a few runs: the least disturbed by other work.
+        seconds = min([once(f, params, x[:size])[0] for _ in range(6)][1:])
         if seconds >= target or size >= x.shape[0] // 8:
             return size
         size = min(x.shape[0] // 8, max(size + 1, int(size * target / seconds)))
@@ -125,14 +124,14 @@ def overheads(quick: bool, repeats: int) -> bool:
 
 def callback_costs(repeats: int) -> None:
     steps = 1000
-    reporter = _progress.Reporter(SilentMeter(), "bench", 2 * steps, 1, steps, 1)
+    reporter = _reporting.Reporter(SilentMeter(), "bench", 2 * steps, 1, steps, 1)
 
     def loop(kind: str) -> Callable[[jax.Array], jax.Array]:
         def body(carry: Any, _: None) -> tuple[Any, None]:
             i, y = carry
             y = jnp.sin(y)
             if kind == "chunk_progress":
-                _progress.report_step(reporter, i, 1, y)
+                _reporting.report_step(reporter, i, 1, y)
             elif kind == "jax.debug.callback":
                 jax.debug.callback(lambda *_: None, i, y[0])
             return (i + 1, y), None

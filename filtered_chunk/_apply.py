@@ -26,12 +26,8 @@ from ._axes import (
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunks
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
-from ._progress import (
-    AbstractProgressMeter,
-    check_meter,
-    closing_on_error,
-    is_reporting,
-)
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 
 
 _API = "filter_chunked_apply"

@@ -26,12 +26,8 @@ from ._chunking import check_chunking, CheckpointSpec, ChunkOutput, run_in_chunk
 from ._collectives import collectives_over
 from ._custom_types import AxisSpec, Remainder, sentinel
 from ._eager import call_compiled, is_traced
-from ._progress import (
-    AbstractProgressMeter,
-    check_meter,
-    closing_on_error,
-    is_reporting,
-)
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 from ._sharding import (
     BatchSharding,
     check_collectives,

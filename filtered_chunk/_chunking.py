@@ -29,7 +29,8 @@ from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
 from ._derivatives import checkpointed, scan_chunks
-from ._progress import AbstractProgressMeter, quiet, reporter
+from ._progress import AbstractProgressMeter
+from ._reporting import quiet, reporter
 
 
 class ChunkOutput(NamedTuple):

@@ -33,7 +33,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec
-from ._progress import report_step, Reporter
+from ._reporting import report_step, Reporter
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]

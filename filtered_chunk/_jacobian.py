@@ -28,12 +28,8 @@ from ._basis import (
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import Remainder, sentinel
 from ._eager import call_compiled, is_traced
-from ._progress import (
-    AbstractProgressMeter,
-    check_meter,
-    closing_on_error,
-    is_reporting,
-)
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 
 
 class Options(eqx.Module):

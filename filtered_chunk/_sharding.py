@@ -33,7 +33,7 @@ from jaxtyping import Array, PyTree
 from ._axes import describe, is_array
 from ._chunking import ChunkFn, ChunkOutput
 from ._collectives import collectives_over
-from ._progress import sharded
+from ._reporting import sharded
 
 
 SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
