@@ -57,20 +57,22 @@ def once(fn: Callable[..., Any], *args: Any) -> tuple[float, float]:
 
 def paired(
     a: Callable[..., Any], b: Callable[..., Any], args: Any, repeats: int
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """`a(*args)` and `b(*args)` timed alternately after a warm-up: the median
-    wall time of `a`, and the medians of the pairs' wall time and CPU time
+    wall and CPU times of `a`, and the medians of the pairs' wall time and CPU time
     ratios `b / a` (pairing cancels the drift of a shared machine's load)."""
     for _ in range(2):
         once(a, *args), once(b, *args)
-    walls, wall_ratios, cpu_ratios = [], [], []
+    walls, cpus, wall_ratios, cpu_ratios = [], [], [], []
     for _ in range(repeats):
         (wall_a, cpu_a), (wall_b, cpu_b) = once(a, *args), once(b, *args)
         walls.append(wall_a)
+        cpus.append(cpu_a)
         wall_ratios.append(wall_b / wall_a)
         cpu_ratios.append(cpu_b / cpu_a)
     return (
         statistics.median(walls),
+        statistics.median(cpus),
         statistics.median(wall_ratios),
         statistics.median(cpu_ratios),
     )
@@ -101,8 +103,8 @@ def overheads(quick: bool, repeats: int) -> bool:
     ok = True
     print(f"MLP {hidden}x{hidden} on {batch} elements, {jax.default_backend()}")
     print(
-        f"{'chunk':>6} {'steps':>6} {'ms/chunk':>9} {'no meter':>10} "
-        f"{'wall overhead':>14} {'CPU overhead':>13}"
+        f"{'chunk':>6} {'steps':>6} {'wall ms/chunk':>14} {'CPU ms/chunk':>13} "
+        f"{'wall overhead':>14} {'CPU overhead':>13} {'CPU us/step':>12}"
     )
     for target in (0.001,) if quick else (0.00025, 0.001, 0.004):
         chunk = chunk_for(target, params, x)
@@ -113,11 +115,13 @@ def overheads(quick: bool, repeats: int) -> bool:
         )
         plain, metered = build(None), build(SilentMeter())
         ok &= bool(np.allclose(metered(params, x), expected, atol=1e-5))
-        wall, wall_ratio, cpu_ratio = paired(plain, metered, (params, x), repeats)
+        wall, cpu, wall_ratio, cpu_ratio = paired(plain, metered, (params, x), repeats)
         steps = -(-batch // chunk)
         print(
-            f"{chunk:>6} {steps:>6} {1e3 * wall / steps:>9.3f} {1e3 * wall:>8.1f} ms "
-            f"{100 * (wall_ratio - 1):>13.2f}% {100 * (cpu_ratio - 1):>12.2f}%"
+            f"{chunk:>6} {steps:>6} {1e3 * wall / steps:>14.3f} "
+            f"{1e3 * cpu / steps:>13.3f} {100 * (wall_ratio - 1):>13.2f}% "
+            f"{100 * (cpu_ratio - 1):>12.2f}% "
+            f"{1e6 * cpu * (cpu_ratio - 1) / steps:>12.1f}"
         )
     return ok
 
@@ -142,8 +146,11 @@ def callback_costs(repeats: int) -> None:
     empty = loop("none")
     print(f"\nOne host callback per step of an empty scan ({steps} steps)")
     for kind in ("chunk_progress", "jax.debug.callback"):
-        wall, ratio, _ = paired(empty, loop(kind), (x,), repeats)
-        print(f"{kind:>20}: {1e6 * wall * (ratio - 1) / steps:6.1f} us per step")
+        wall, cpu, wall_ratio, cpu_ratio = paired(empty, loop(kind), (x,), repeats)
+        print(
+            f"{kind:>20}: {1e6 * wall * (wall_ratio - 1) / steps:6.1f} us per step "
+            f"(wall), {1e6 * cpu * (cpu_ratio - 1) / steps:6.1f} us (CPU)"
+        )
 
 
 def main() -> None:
