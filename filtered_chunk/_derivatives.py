@@ -175,9 +175,10 @@ def _run(
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = step(fn, inputs, start, loop)
+        _buffers = loop.write(_buffers, _chunk, start)
         # Outside the checkpointed step: rematerialisation does not report again.
-        report_step(loop.reporter, start, loop.chunk_size, (_chunk, _unbatched))
-        return (loop.write(_buffers, _chunk, start), _unbatched, index + 1), None
+        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
+        return (_buffers, _unbatched, index + 1), None
 
     init = (buffers, unbatched, jnp.zeros((), jnp.int32))
     (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
@@ -206,9 +207,9 @@ def _run_jvp(
         (_chunk, _unbatched), (_t_out, _t_unbatched) = step(
             fn, t_fn, inputs, start, _t_chunk, loop
         )
-        # Its operands are primal values: reverse mode reports in the forward pass.
-        report_step(loop.reporter, start, loop.chunk_size, (_chunk, _unbatched))
         carry = (loop.write(_buffers, _chunk, start), _unbatched, _t_unbatched)
+        # Its operands are primal values: reverse mode reports in the forward pass.
+        report_step(loop.reporter, start, loop.chunk_size, carry[:2])
         return carry, _t_out
 
     t_unbatched = jtu.tree_map(

@@ -314,7 +314,12 @@ def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
 
 
 def _dependency(tree: PyTree[Array]) -> list[Array]:
-    """One element of the first numeric array of `tree` that has one."""
+    """One element of the first numeric array of `tree` that has one.
+
+    `tree` holds the outputs once written into the full-size buffers: reading
+    an element of the chunk itself would stop XLA from computing the chunk in place
+    in the buffer (a copy per step: 60 us for chunks of 350 x 256 floats here).
+    """
     for x in jtu.tree_leaves(tree):
         if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool):
             return [lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())]
@@ -325,7 +330,7 @@ def report_step(
     found: Reporter | None, start: Array, size: int, outputs: PyTree[Array]
 ) -> None:
     """Reports the elements done after the step of `size` elements at `start`
-    that computed `outputs` (nothing at all without a reporter)."""
+    that wrote `outputs` (nothing at all without a reporter)."""
     if found is None:
         return
     operands = [jnp.asarray(start + size, jnp.int32)]
