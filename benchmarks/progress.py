@@ -2,6 +2,7 @@
 
     python benchmarks/progress.py            # chunks of about 0.25, 1 and 4 ms
     python benchmarks/progress.py --quick    # CI: fewer sizes and repeats
+    python benchmarks/progress.py --chunk-ms 1 --repeats 101   # one size, precisely
 
 Each workload maps a small MLP over a batch with `filter_chunked_vmap`, at chunk
 sizes chosen so that one chunk takes a given time, and times the jitted call
@@ -90,7 +91,7 @@ def chunk_for(target: float, params: Any, x: jax.Array) -> int:
         size = min(x.shape[0] // 8, max(size + 1, int(size * target / seconds)))
 
 
-def overheads(quick: bool, repeats: int) -> bool:
+def overheads(quick: bool, repeats: int, targets: list[float]) -> bool:
     hidden = 256
     batch = 2**14 if quick else 2**16
     key1, key2, key3 = jr.split(jr.key(0), 3)
@@ -106,8 +107,8 @@ def overheads(quick: bool, repeats: int) -> bool:
         f"{'chunk':>6} {'steps':>6} {'wall ms/chunk':>14} {'CPU ms/chunk':>13} "
         f"{'wall overhead':>14} {'CPU overhead':>13} {'CPU us/step':>12}"
     )
-    for target in (0.001,) if quick else (0.00025, 0.001, 0.004):
-        chunk = chunk_for(target, params, x)
+    for target in targets:
+        chunk = chunk_for(target / 1e3, params, x)
         build = lambda meter: jax.jit(
             fc.filter_chunked_vmap(
                 mlp, in_axes=(None, 0), chunk_size=chunk, progress_meter=meter
@@ -157,9 +158,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--chunk-ms",
+        type=float,
+        nargs="+",
+        default=None,
+        help="the chunk durations to measure (default: 0.25 1 4, or 1 with --quick)",
+    )
     args = parser.parse_args()
     repeats = args.repeats or (7 if args.quick else 21)
-    ok = overheads(args.quick, repeats)
+    targets = args.chunk_ms or ([1.0] if args.quick else [0.25, 1.0, 4.0])
+    ok = overheads(args.quick, repeats, targets)
     callback_costs(repeats)
     if not ok:
         print("A result differs from jax.vmap's.")

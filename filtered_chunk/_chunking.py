@@ -157,7 +157,7 @@ def run_in_chunks(
 
     Requires `0 < chunk_size < batch_size`; returns what `chunk_fn(inputs,
     batch_size)` would, with the batched outputs at full batch size. Each step
-    reports to `progress_meter` (labelled `api`): see `_progress.py`.
+    reports to `progress_meter` (labelled `api`): see `_reporting.py`.
     """
     assert 0 < chunk_size < batch_size
     found = reporter(progress_meter, api, batch_size, chunk_size, remainder)

@@ -83,8 +83,8 @@ class Reporter:
     same loop (so that eager calls hit the compiled program cache)."""
 
     __slots__ = (
-        *("meter", "label", "total", "first", "last", "scale", "_key", "_hash"),
-        "methods",
+        *("meter", "label", "total", "first", "last", "scale", "stride"),
+        *("_key", "_hash", "methods"),
         "__weakref__",  # JAX keeps weak references to parameters
     )
 
@@ -96,9 +96,11 @@ class Reporter:
         first: int,  # the elements one device has done after its first step
         last: int,  # ... after its last step
         scale: int,  # the number of devices the batch is split over
+        stride: int,  # report every `stride` steps (and the last one)
     ) -> None:
         self.meter, self.label, self.total = meter, label, total
         self.first, self.last, self.scale = first, last, scale
+        self.stride = stride
         # Called through the class: an `eqx.Module`'s bound method costs about
         # 50 us to make, on every step (`benchmarks/progress.py`).
         cls = type(meter)
@@ -109,7 +111,7 @@ class Reporter:
         except TypeError:  # an unhashable meter: compare it by identity
             key = self._hash = id(meter)
         # Hashed once: the host looks the reporter up on every step.
-        self._key = (key, label, total, first, last, scale)
+        self._key = (key, label, total, first, last, scale, stride)
         self._hash = hash((self._hash, *self._key[1:]))
 
     def __hash__(self) -> int:
@@ -126,7 +128,7 @@ class Reporter:
         return (
             f"Reporter(meter={self.meter!r}, label={self.label!r}, "
             f"total={self.total}, first={self.first}, last={self.last}, "
-            f"scale={self.scale})"
+            f"scale={self.scale}, stride={self.stride})"
         )
 
     def __call__(self, done: Any, *rest: Any) -> None:
@@ -296,7 +298,10 @@ def reporter(
         first, last = chunk_size, batch_size // chunk_size * chunk_size
     label = getattr(meter, "label", None) or api
     scale = context.num_devices
-    return Reporter(meter, label, batch_size * scale, first, last, scale)
+    # At most `max_updates` reports per call: each costs a host callback.
+    loop_steps = -(-last // first)
+    stride = -(-loop_steps // max(1, meter.max_updates))
+    return Reporter(meter, label, batch_size * scale, first, last, scale, stride)
 
 
 def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
@@ -333,7 +338,18 @@ def report_step(
     that wrote `outputs` (nothing at all without a reporter)."""
     if found is None:
         return
-    operands = [jnp.asarray(start + size, jnp.int32)]
+    done = jnp.asarray(start + size, jnp.int32)
+    operands = [done]
     if found.scale > 1:
         operands.append(lax.axis_index(_context.get().axis_names))
-    progress_p.bind(*operands, *_dependency(outputs), callback=found)
+    operands += _dependency(outputs)
+
+    def _report() -> None:
+        progress_p.bind(*operands, callback=found)
+
+    if found.stride == 1:
+        return _report()
+    # Every `stride`-th step from the first (which opens), and the last (which
+    # closes). Steps that do not report skip the callback altogether.
+    step = done // size - 1
+    lax.cond((step % found.stride == 0) | (done >= found.last), _report, lambda: None)

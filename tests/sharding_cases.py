@@ -351,14 +351,19 @@ def test_progress_one_meter_for_the_global_batch(remainder, axis_type, getkey):
 
 @pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
 def test_progress_on_a_two_dimensional_mesh(axis_type, getkey):
-    # Manual over "data" only: the callback runs once per "data" device.
+    # Manual over "data" only: the callback runs once per "data" device. 500
+    # elements per device in chunks of 2 are 250 steps, reported every 3rd.
     meter = recorder()
     mesh = mesh_2d(axis_type)
-    x = put(jr.normal(getkey(), (16, 4)), mesh, "data", "model")
+    x = put(jr.normal(getkey(), (2000, 4)), mesh, "data", "model")
     named = fc.filter_chunked_vmap(
-        jnp.sin, chunk_size=3, spmd_axis_name="data", progress_meter=meter
+        jnp.sin, chunk_size=2, spmd_axis_name="data", progress_meter=meter
     )
+    loss = lambda x: jnp.sum(named(x) ** 2)
     with jax.set_mesh(mesh):
         assert same(eqx.filter_jit(named)(x), jnp.sin(np.asarray(x)))
-    check_one_call(meter, "filter_chunked_vmap", 16)
-    assert meter.counts() == [8, 16]
+        grad = eqx.filter_jit(jax.grad(loss))(x)
+    assert same(grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(np.asarray(x)))
+    check_one_call(meter, "filter_chunked_vmap", 2000, calls=2)
+    expected = [*range(8, 2000, 24), 2000]
+    assert meter.counts() == expected * 2

@@ -122,6 +122,37 @@ def test_counts_are_elements_not_chunks(remainder):
     assert meter.counts() == ([4, 8, 10] if remainder == "overlap" else [4, 10])
 
 
+class EveryChunk(Recorder):
+    max_updates = 10**9
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_long_calls_report_at_most_max_updates_times(remainder):
+    # 1000 elements in chunks of 3: 334 steps (333 and a remainder when separate),
+    # reported every 4th step from the first (ending at 3, 15, ..., 999), and the
+    # last (ending at 1000; with a separate remainder, that is the step ending at
+    # 999).
+    x = jnp.linspace(0.0, 1.0, 1000)
+    meter = recorder()
+    f = fc.filter_chunked_vmap(
+        jnp.sin, chunk_size=3, remainder=remainder, progress_meter=meter
+    )
+    loss = lambda x: jnp.sum(f(x) ** 2)
+    expected = jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(x)
+    assert tree_allclose(jax.jit(jax.grad(jax.checkpoint(loss)))(x), expected)
+    check_one_call(meter, "filter_chunked_vmap", 1000)
+    every_4th = list(range(3, 1000, 12))
+    if remainder == "separate":
+        every_4th.pop()
+    assert meter.counts() == [*every_4th, 1000]
+    assert tree_allclose(jax.vmap(f)(x[None]), jnp.sin(x)[None])
+    check_one_call(meter, "filter_chunked_vmap", 1000, calls=2)
+    every = EveryChunk(meter.name + "every")
+    fc.filter_chunked_vmap(jnp.sin, chunk_size=3, progress_meter=every)(x)
+    check_one_call(every, "filter_chunked_vmap", 1000)
+    assert len(every.counts()) == 334
+
+
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
 def test_no_meter_compiles_the_same_program(name):
     chunked, _, args, _ = build(name, "overlap")
