@@ -6,12 +6,14 @@
 
 Each workload maps a small MLP over a batch with `filter_chunked_vmap`, at chunk
 sizes chosen so that one chunk takes a given time, and times the jitted call
-without a meter and with a meter whose host methods do nothing (so that only the
-callback's own cost is measured). The two are timed alternately, `--repeats`
-times each after a warm-up, and the medians compared. A second table times one
-host callback per step of an otherwise empty `lax.scan`: the primitive the loop
-uses, against `jax.debug.callback`. Exits non-zero if a result differs from
-`jax.vmap`'s; never fails on timing.
+without a meter and with meters whose host methods do nothing (so that only the
+callbacks' own cost is measured): one with the default `max_updates` (at most
+100 reports per call) and one that reports after every chunk. They are timed
+alternately, `--repeats` times each after a warm-up, and the medians of the pairs'
+ratios are compared (wall time, and CPU time of all threads). A second table
+times one host callback per step of an otherwise empty `lax.scan`: the primitive
+the loop uses, against `jax.debug.callback`. Exits non-zero if a result differs
+from `jax.vmap`'s; never fails on timing.
 """
 
 import argparse
@@ -42,6 +44,12 @@ class SilentMeter(fc.AbstractProgressMeter):
 
     def close(self, state: Any) -> None:
         del state
+
+
+class SilentEveryChunk(SilentMeter):
+    """Reports after every chunk, however many there are."""
+
+    max_updates = 10**9
 
 
 def mlp(params: Any, x: jax.Array) -> jax.Array:
@@ -104,8 +112,9 @@ def overheads(quick: bool, repeats: int, targets: list[float]) -> bool:
     ok = True
     print(f"MLP {hidden}x{hidden} on {batch} elements, {jax.default_backend()}")
     print(
-        f"{'chunk':>6} {'steps':>6} {'wall ms/chunk':>14} {'CPU ms/chunk':>13} "
-        f"{'wall overhead':>14} {'CPU overhead':>13} {'CPU us/step':>12}"
+        f"{'meter':>11} {'chunk':>6} {'steps':>6} {'reports':>8} "
+        f"{'wall ms/chunk':>14} {'CPU ms/chunk':>13} {'wall overhead':>14} "
+        f"{'CPU overhead':>13}"
     )
     for target in targets:
         chunk = chunk_for(target / 1e3, params, x)
@@ -114,22 +123,27 @@ def overheads(quick: bool, repeats: int, targets: list[float]) -> bool:
                 mlp, in_axes=(None, 0), chunk_size=chunk, progress_meter=meter
             )
         )
-        plain, metered = build(None), build(SilentMeter())
-        ok &= bool(np.allclose(metered(params, x), expected, atol=1e-5))
-        wall, cpu, wall_ratio, cpu_ratio = paired(plain, metered, (params, x), repeats)
+        plain = build(None)
         steps = -(-batch // chunk)
-        print(
-            f"{chunk:>6} {steps:>6} {1e3 * wall / steps:>14.3f} "
-            f"{1e3 * cpu / steps:>13.3f} {100 * (wall_ratio - 1):>13.2f}% "
-            f"{100 * (cpu_ratio - 1):>12.2f}% "
-            f"{1e6 * cpu * (cpu_ratio - 1) / steps:>12.1f}"
-        )
+        for name, meter in (("default", SilentMeter()), ("every", SilentEveryChunk())):
+            metered = build(meter)
+            ok &= bool(np.allclose(metered(params, x), expected, atol=1e-5))
+            wall, cpu, wall_ratio, cpu_ratio = paired(
+                plain, metered, (params, x), repeats
+            )
+            stride = -(-steps // meter.max_updates)
+            reports = len(range(0, steps - 1, stride)) + 1
+            print(
+                f"{name:>11} {chunk:>6} {steps:>6} {reports:>8} "
+                f"{1e3 * wall / steps:>14.3f} {1e3 * cpu / steps:>13.3f} "
+                f"{100 * (wall_ratio - 1):>13.2f}% {100 * (cpu_ratio - 1):>12.2f}%"
+            )
     return ok
 
 
 def callback_costs(repeats: int) -> None:
     steps = 1000
-    reporter = _reporting.Reporter(SilentMeter(), "bench", 2 * steps, 1, steps, 1)
+    reporter = _reporting.Reporter(SilentMeter(), "bench", 2 * steps, 1, steps, 1, 1)
 
     def loop(kind: str) -> Callable[[jax.Array], jax.Array]:
         def body(carry: Any, _: None) -> tuple[Any, None]:
