@@ -6,7 +6,9 @@ never counts twice) and one element of the step's outputs: a data dependency, so
 that the call happens after the step's work rather than wherever XLA schedules it.
 The first step's report opens a meter's state and the last one closes it, so each
 *execution* of a compiled program gets its own state, and a loop without a meter
-has no callback at all.
+has no callback at all. A loop of more steps than the meter's `max_updates` reports
+every `stride` steps (and the last), skipping the callback in between with a
+`lax.cond`: each call stops the program for Python.
 
 The callback is a primitive of this module rather than `jax.debug.callback`, which
 wraps its callable in a new closure on every trace (defeating the compiled program
@@ -18,7 +20,9 @@ for JAX's transformations: it has JAX's unordered debug effect, which `custom_jv
 evaluation keeps it with its known operands only, so reverse mode calls it in the
 forward pass, and a `jax.checkpoint` around the call does not call it again when it
 reruns that pass; under `vmap` its operands are reduced to one element, so an outer
-`vmap` reports once per step.
+`vmap` reports once per step. Defining it takes JAX internals (`jax._src`: the
+Python callback emitter, the debug effect, the rules' tables), as
+`jax.debug.callback` itself does; `tests/test_progress.py` exercises each rule.
 """
 
 import atexit
