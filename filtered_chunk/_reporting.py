@@ -325,9 +325,10 @@ def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
 def _dependency(tree: PyTree[Array]) -> list[Array]:
     """One element of the first numeric array of `tree` that has one.
 
-    `tree` holds the outputs once written into the full-size buffers: reading
-    an element of the chunk itself would stop XLA from computing the chunk in place
-    in the buffer (a copy per step: 60 us for chunks of 350 x 256 floats here).
+    `tree` holds the outputs once written into the full-size buffers, so that the
+    report follows the whole step, its write included (the compiled loop is
+    otherwise the same: no copy is added, checked on the HLO of
+    `benchmarks/progress.py`'s workload).
     """
     for x in jtu.tree_leaves(tree):
         if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool):
