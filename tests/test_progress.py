@@ -3,6 +3,7 @@
 
 import collections
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -370,7 +371,7 @@ def test_tqdm_bar_in_a_terminal(tmp_path):
         pytest.skip("needs tmux")
     script = tmp_path / "bar.py"
     script.write_text(textwrap.dedent(_TMUX_SCRIPT))
-    root = str(pytest.importorskip("pathlib").Path(__file__).resolve().parent.parent)
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
     socket, session = f"fc-{uuid.uuid4().hex[:8]}", "progress"
     command = f"cd {root} && PYTHONPATH={root} {sys.executable} {script}; sleep 60"
     base = [tmux, "-L", socket]
