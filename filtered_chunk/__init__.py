@@ -15,6 +15,12 @@ from ._jacobian import (
     chunked_jacfwd as chunked_jacfwd,
     chunked_jacrev as chunked_jacrev,
 )
+from ._progress import (
+    AbstractProgressMeter as AbstractProgressMeter,
+    NoProgressMeter as NoProgressMeter,
+    TextProgressMeter as TextProgressMeter,
+    TqdmProgressMeter as TqdmProgressMeter,
+)
 
 
 __version__ = importlib.metadata.version("filtered_chunk")

@@ -45,6 +45,8 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._eager import call_compiled, is_traced
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 
 
 _API = "filter_chunked_apply"
@@ -250,6 +252,7 @@ class _ChunkedApplyWrapper(eqx.Module):
     _chunk_size: ChunkSize
     _remainder: str
     _checkpoint: CheckpointSpec
+    _progress_meter: AbstractProgressMeter | None = None
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -295,6 +298,12 @@ class _ChunkedApplyWrapper(eqx.Module):
             choice = self._choose(args, kwargs)
             k = None if choice is None else choice.chunk_size
             return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
+        if is_reporting(self._progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: Any, kwargs: Any) -> Any:
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
         )
@@ -335,6 +344,8 @@ class _ChunkedApplyWrapper(eqx.Module):
                 chunk_size=self._chunk_size,
                 remainder=self._remainder,
                 checkpoint=self._checkpoint,
+                progress_meter=self._progress_meter,
+                api=_API,
             )
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
@@ -353,6 +364,7 @@ def filter_chunked_apply(
     chunk_size: ChunkSizeSpec = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -365,6 +377,7 @@ def filter_chunked_apply(
     chunk_size: ChunkSizeSpec = None,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -378,6 +391,7 @@ def filter_chunked_apply(
     chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """Calls `fun`, a function already vectorised over a batch, on `chunk_size`
     elements of the batch at a time, to bound peak memory.
@@ -428,6 +442,12 @@ def filter_chunked_apply(
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save.
+    - `progress_meter`: keyword-only. Reports the elements done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. Only a call split into chunks
+        reports. See the guide on progress.
 
     **Returns:**
 
@@ -465,8 +485,10 @@ def filter_chunked_apply(
             chunk_size=chunk_size,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     chunk_size = _check_arguments(in_axes, out_axes, chunk_size, remainder)
+    check_meter(progress_meter, _API)
     wrapper = _ChunkedApplyWrapper(
         _fun=fun,
         _in_axes=in_axes,
@@ -474,6 +496,7 @@ def filter_chunked_apply(
         _chunk_size=chunk_size,
         _remainder=remainder,
         _checkpoint=checkpoint,
+        _progress_meter=progress_meter,
     )
     return eqx.module_update_wrapper(wrapper)
 

@@ -14,6 +14,7 @@ from jaxtyping import Array, Int
 
 from ._axes import is_array
 from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
+from ._progress import AbstractProgressMeter
 
 
 Argnums = int | Sequence[int]
@@ -152,6 +153,8 @@ def in_chunks(
     chunk_size: int | None,
     remainder: str,
     checkpoint: CheckpointSpec,
+    progress_meter: AbstractProgressMeter | None = None,
+    api: str = "",
 ) -> ChunkOutput:
     """`chunk_fn` over the indices `0, ..., total - 1`, in chunks."""
     indices = jnp.arange(total)
@@ -165,6 +168,8 @@ def in_chunks(
         chunk_size=chunk_size,
         remainder=remainder,
         checkpoint=checkpoint,
+        progress_meter=progress_meter,
+        api=api,
     )
 
 

@@ -44,6 +44,8 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._eager import call_compiled, is_traced
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 from ._sharding import (
     BatchSharding,
     check_collectives,
@@ -111,6 +113,7 @@ class _ChunkedVmapWrapper(eqx.Module):
     _remainder: str
     _checkpoint: CheckpointSpec
     _spmd_axis_name: SpmdAxisName = None
+    _progress_meter: AbstractProgressMeter | None = None
 
     @property
     def __wrapped__(self) -> Callable[..., Any]:
@@ -161,6 +164,12 @@ class _ChunkedVmapWrapper(eqx.Module):
             choice = self._choose(args, kwargs)
             k = None if choice is None else choice.chunk_size
             return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
+        if is_reporting(self._progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: Any, kwargs: Any) -> Any:
         args, kwargs, spec = bind_arguments(
             self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
         )
@@ -240,6 +249,8 @@ class _ChunkedVmapWrapper(eqx.Module):
             chunk_size=chunk_size,
             remainder=self._remainder,
             checkpoint=self._checkpoint,
+            progress_meter=self._progress_meter,
+            api=_API,
         )
 
     def _check_collectives(
@@ -361,6 +372,7 @@ def filter_chunked_vmap(
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -376,6 +388,7 @@ def filter_chunked_vmap(
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -392,6 +405,7 @@ def filter_chunked_vmap(
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -451,6 +465,13 @@ def filter_chunked_vmap(
         in auto-sharding mode, with the mesh set by `jax.set_mesh`. The batch size
         must then be a multiple of the number of devices. Defaults to `None`. See
         the guide on sharded and multi-host use.
+    - `progress_meter`: keyword-only. Reports the elements done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. Only a call split into chunks
+        reports. See the guide on progress. With a sharded batch, one meter counts
+        every device's elements.
 
     **Returns:**
 
@@ -504,9 +525,11 @@ def filter_chunked_vmap(
             remainder=remainder,
             checkpoint=checkpoint,
             spmd_axis_name=spmd_axis_name,
+            progress_meter=progress_meter,
         )
     chunk_size = _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
     check_spmd_axis_name(spmd_axis_name, _API)
+    check_meter(progress_meter, _API)
     wrapper = _ChunkedVmapWrapper(
         _fun=fun,
         _in_axes=in_axes,
@@ -517,6 +540,7 @@ def filter_chunked_vmap(
         _remainder=remainder,
         _checkpoint=checkpoint,
         _spmd_axis_name=spmd_axis_name,
+        _progress_meter=progress_meter,
     )
     return eqx.module_update_wrapper(wrapper)
 

@@ -35,6 +35,8 @@ from jaxtyping import Array, Int, PyTree
 from ._budget import MemoryBudget, normalise_chunk_size
 from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
 from ._derivatives import checkpointed, scan_chunks
+from ._progress import AbstractProgressMeter
+from ._reporting import quiet, reporter
 
 
 class ChunkOutput(NamedTuple):
@@ -155,13 +157,18 @@ def run_in_chunks(
     chunk_size: int,
     remainder: str,
     checkpoint: CheckpointSpec,
+    progress_meter: AbstractProgressMeter | None = None,
+    api: str = "",
 ) -> ChunkOutput:
     """Evaluates `chunk_fn` over the whole batch in chunks of `chunk_size`.
 
     Requires `0 < chunk_size < batch_size`; returns what `chunk_fn(inputs,
-    batch_size)` would, with the batched outputs at full batch size.
+    batch_size)` would, with the batched outputs at full batch size. Each step
+    reports to `progress_meter` (labelled `api`): see `_reporting.py`.
     """
     assert 0 < chunk_size < batch_size
+    found = reporter(progress_meter, api, batch_size, chunk_size, remainder)
+    chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
@@ -209,6 +216,7 @@ def run_in_chunks(
         num_steps=num_steps,
         checkpoint=checkpoint,
         write=lambda _buffers, _chunk, start: _write(_buffers, _chunk, axes, start),
+        reporter=found,
     )
     if leftover != 0 and not overlap:
         start = batch_size - leftover

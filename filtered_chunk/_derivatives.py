@@ -33,6 +33,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec, InputArray
+from ._reporting import report_step, Reporter
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
@@ -76,6 +77,7 @@ class _Loop(eqx.Module):
     num_steps: int = eqx.field(static=True)
     checkpoint: CheckpointSpec = eqx.field(static=True)
     write: WriteFn = eqx.field(static=True)
+    reporter: Reporter | None = eqx.field(static=True, default=None)
 
     @property
     def num_whole(self) -> int:
@@ -173,7 +175,10 @@ def _run(
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = step(fn, inputs, start, loop)
-        return (loop.write(_buffers, _chunk, start), _unbatched, index + 1), None
+        _buffers = loop.write(_buffers, _chunk, start)
+        # Outside the checkpointed step: rematerialisation does not report again.
+        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
+        return (_buffers, _unbatched, index + 1), None
 
     init = (buffers, unbatched, jnp.zeros((), jnp.int32))
     (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
@@ -203,6 +208,8 @@ def _run_jvp(
             fn, t_fn, inputs, start, _t_chunk, loop
         )
         carry = (loop.write(_buffers, _chunk, start), _unbatched, _t_unbatched)
+        # Its operands are primal values: reverse mode reports in the forward pass.
+        report_step(loop.reporter, start, loop.chunk_size, carry[:2])
         return carry, _t_out
 
     t_unbatched = jtu.tree_map(
@@ -231,11 +238,14 @@ def scan_chunks(
     num_steps: int,
     checkpoint: CheckpointSpec,
     write: WriteFn,
+    reporter: Reporter | None = None,
 ) -> tuple[list[Array], PyTree[Array]]:
     """Runs `arrays` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` (at `axes`) with `write`; returns the buffers and the last
     step's unbatched outputs."""
-    loop = _Loop(in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write)
+    loop = _Loop(
+        in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write, reporter
+    )
     # Example chunks (dead code under `jit`) carry the inputs' full types: dtype,
     # weak type, sharding, varying manual axes.
     fn = eqx.filter_closure_convert(arrays, loop.slice(inputs, jnp.array(0)))

@@ -15,6 +15,7 @@ from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
 from ._chunking import check_chunking, CheckpointSpec
 from ._custom_types import Remainder, sentinel
 from ._jacobian import Jacobian, Options
+from ._progress import AbstractProgressMeter, check_meter
 
 
 class _FilterJacobian(eqx.Module):
@@ -68,6 +69,7 @@ class _FilterJacobian(eqx.Module):
 def _build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
     chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
     options = dataclasses.replace(options, chunk_size=chunk_size)
+    check_meter(options.progress_meter, options.api)
     return eqx.module_update_wrapper(_FilterJacobian(fun, options, rev))
 
 
@@ -78,6 +80,7 @@ def filter_chunked_jacrev(
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -89,6 +92,7 @@ def filter_chunked_jacrev(
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -101,6 +105,7 @@ def filter_chunked_jacrev(
     has_aux: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """As `equinox.filter_jacrev`, with the Jacobian built `chunk_size` rows at a
     time: see [`filtered_chunk.chunked_jacrev`][].
@@ -122,6 +127,11 @@ def filter_chunked_jacrev(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the rows done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -151,6 +161,7 @@ def filter_chunked_jacrev(
             has_aux=has_aux,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         0,
@@ -161,6 +172,7 @@ def filter_chunked_jacrev(
         remainder,
         checkpoint,
         "filter_chunked_jacrev",
+        progress_meter,
     )
     return _build(fun, options, rev=True)
 
@@ -172,6 +184,7 @@ def filter_chunked_jacfwd(
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -183,6 +196,7 @@ def filter_chunked_jacfwd(
     has_aux: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -195,6 +209,7 @@ def filter_chunked_jacfwd(
     has_aux: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """As `equinox.filter_jacfwd`, with the Jacobian built `chunk_size` columns at
     a time: see [`filtered_chunk.chunked_jacfwd`][].
@@ -217,6 +232,11 @@ def filter_chunked_jacfwd(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the columns done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -245,6 +265,7 @@ def filter_chunked_jacfwd(
             has_aux=has_aux,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         0,
@@ -255,5 +276,6 @@ def filter_chunked_jacfwd(
         remainder,
         checkpoint,
         "filter_chunked_jacfwd",
+        progress_meter,
     )
     return _build(fun, options, rev=False)

@@ -33,6 +33,8 @@ from ._chunk_search import choose_chunk_size
 from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
 from ._custom_types import keep_untraced, Remainder, sentinel, unwrap_kept
 from ._eager import call_compiled, is_traced
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
 
 
 class Options(eqx.Module):
@@ -46,6 +48,7 @@ class Options(eqx.Module):
     remainder: str
     checkpoint: CheckpointSpec
     api: str
+    progress_meter: AbstractProgressMeter | None = None
 
 
 def _jacrev(
@@ -65,7 +68,15 @@ def _jacrev(
         return ChunkOutput(cotangents, axes, None, None)
 
     _, total = offsets(y)
-    rows = in_chunks(_rows, total, o.chunk_size, o.remainder, o.checkpoint).batched
+    rows = in_chunks(
+        _rows,
+        total,
+        o.chunk_size,
+        o.remainder,
+        o.checkpoint,
+        o.progress_meter,
+        o.api,
+    ).batched
     example = dynamic[0] if isinstance(o.argnums, int) else dynamic
     rows = rows[0] if isinstance(o.argnums, int) else rows
 
@@ -101,7 +112,15 @@ def _jacfwd(
         return ChunkOutput(tangents, axes, unbatched, eqx.combine(static, kept))
 
     _, total = offsets(dynamic)
-    out = in_chunks(_columns, total, o.chunk_size, o.remainder, o.checkpoint)
+    out = in_chunks(
+        _columns,
+        total,
+        o.chunk_size,
+        o.remainder,
+        o.checkpoint,
+        o.progress_meter,
+        o.api,
+    )
     y, aux = eqx.combine(out.unbatched, unwrap_kept(out.static))
     rule = outputs_rule(o.holomorphic, rev=False)
     check_dtypes((y,), ["output"], rule, "the output", o.api)
@@ -174,6 +193,12 @@ class Jacobian(eqx.Module):
             k = None if choice is None else choice.chunk_size
             options = dataclasses.replace(self._options, chunk_size=k)
             return dataclasses.replace(self, _options=options)(*args, **kwargs)
+        if is_reporting(self._options.progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(args, kwargs)
+        return self._dispatch(args, kwargs)
+
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._options.chunk_size is not None and not is_traced((self, args, kwargs)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
             return call_compiled(lambda _t: self._call(*_t), (args, kwargs))
@@ -194,6 +219,7 @@ def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[...,
     """Checks the options and wraps `fun` in a `Jacobian`."""
     chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
     options = dataclasses.replace(options, chunk_size=chunk_size)
+    check_meter(options.progress_meter, options.api)
     return eqx.module_update_wrapper(Jacobian(fun, options, rev))
 
 
@@ -207,6 +233,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -221,6 +248,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -238,6 +266,7 @@ def chunked_jacrev(
     allow_int: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """The Jacobian of `fun` by reverse-mode autodiff, like `jax.jacrev`, built
     `chunk_size` rows at a time to bound peak memory.
@@ -273,6 +302,11 @@ def chunked_jacrev(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the rows done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -306,6 +340,7 @@ def chunked_jacrev(
             allow_int=allow_int,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         argnums,
@@ -316,6 +351,7 @@ def chunked_jacrev(
         remainder,
         checkpoint,
         "chunked_jacrev",
+        progress_meter,
     )
     return build(fun, options, rev=True)
 
@@ -329,6 +365,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -342,6 +379,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: Remainder = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]: ...
 
 
@@ -356,6 +394,7 @@ def chunked_jacfwd(
     holomorphic: bool = False,
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
 ) -> Callable[..., Any]:
     """The Jacobian of `fun` by forward-mode autodiff, like `jax.jacfwd`, built
     `chunk_size` columns at a time to bound peak memory.
@@ -386,6 +425,11 @@ def chunked_jacfwd(
     - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the columns done while the call
+        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
+        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
+        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
+        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
 
     **Returns:**
 
@@ -428,6 +472,7 @@ def chunked_jacfwd(
             holomorphic=holomorphic,
             remainder=remainder,
             checkpoint=checkpoint,
+            progress_meter=progress_meter,
         )
     options = Options(
         argnums,
@@ -438,5 +483,6 @@ def chunked_jacfwd(
         remainder,
         checkpoint,
         "chunked_jacfwd",
+        progress_meter,
     )
     return build(fun, options, rev=False)

@@ -36,6 +36,7 @@ from ._axes import describe, is_array
 from ._chunking import ChunkFn, ChunkOutput
 from ._collectives import collectives_over
 from ._custom_types import InputArray
+from ._reporting import sharded
 
 
 SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
@@ -255,7 +256,8 @@ def run_sharded(
     shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
 
     def _local(_arrays: PyTree[Array], _mapped: PyTree[InputArray]) -> tuple[Any, Any]:
-        _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
+        with sharded(sharding.axis_names, num_devices):  # one meter, not one a device
+            _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
         return _out.batched, _out.unbatched
 
     in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))

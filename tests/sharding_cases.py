@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import filtered_chunk as fc
 
 from .helpers import tree_allclose
+from .meters import check_one_call, recorder
 
 
 if jax.device_count() < 8:
@@ -348,3 +349,44 @@ def test_collective_over_axis_name_raises():
     chunked = fc.filter_chunked_vmap(normalise, axis_name="i")
     with pytest.raises(ValueError, match="each device would only see its own"):
         chunked(x)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_progress_one_meter_for_the_global_batch(remainder, axis_type, getkey):
+    # 5 elements per device in chunks of 2: every device reports the same counts,
+    # so the first device's, scaled by 8, count the global batch of 40.
+    meter = recorder()
+    mesh = mesh_1d(axis_type)
+    x = put(jr.normal(getkey(), (40, 3)), mesh, "batch")
+    chunked = fc.filter_chunked_vmap(
+        jnp.sin, chunk_size=2, remainder=remainder, progress_meter=meter
+    )
+    with jax.set_mesh(mesh):
+        assert same(chunked(x), jnp.sin(np.asarray(x)))
+        check_one_call(meter, "filter_chunked_vmap", 40)
+        assert meter.counts() == ([16, 32, 40] if remainder == "overlap" else [16, 40])
+        loss = lambda x: jnp.sum(chunked(x) ** 2)
+        grad = eqx.filter_jit(jax.grad(loss))(x)
+    assert same(grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(np.asarray(x)))
+    check_one_call(meter, "filter_chunked_vmap", 40, calls=2)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_progress_on_a_two_dimensional_mesh(axis_type, getkey):
+    # Manual over "data" only: the callback runs once per "data" device. 500
+    # elements per device in chunks of 2 are 250 steps, reported every 3rd.
+    meter = recorder()
+    mesh = mesh_2d(axis_type)
+    x = put(jr.normal(getkey(), (2000, 4)), mesh, "data", "model")
+    named = fc.filter_chunked_vmap(
+        jnp.sin, chunk_size=2, spmd_axis_name="data", progress_meter=meter
+    )
+    loss = lambda x: jnp.sum(named(x) ** 2)
+    with jax.set_mesh(mesh):
+        assert same(eqx.filter_jit(named)(x), jnp.sin(np.asarray(x)))
+        grad = eqx.filter_jit(jax.grad(loss))(x)
+    assert same(grad, jax.grad(lambda x: jnp.sum(jnp.sin(x) ** 2))(np.asarray(x)))
+    check_one_call(meter, "filter_chunked_vmap", 2000, calls=2)
+    expected = [*range(8, 2000, 24), 2000]
+    assert meter.counts() == expected * 2

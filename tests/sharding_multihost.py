@@ -54,8 +54,34 @@ def main(process_id: int, port: int) -> None:
     grad = jax.jit(jax.grad(lambda w, x: chunked(w, x).sum()))(w, x)
     for shard in grad.addressable_shards:
         np.testing.assert_allclose(shard.data, expected_grad, rtol=1e-5)
+    check_progress(process_id, f, w, x)
     jax.distributed.shutdown()
     print("OK", flush=True)
+
+
+class Counts(fc.AbstractProgressMeter):
+    def open(self, label, total):
+        COUNTS.append(("open", total))
+
+    def update(self, state, done):
+        COUNTS.append(done)
+
+    def close(self, state):
+        COUNTS.append("close")
+
+
+COUNTS: list = []
+
+
+def check_progress(process_id: int, f, w, x) -> None:
+    """One meter for the global batch, shown by the process with the first shard:
+    5 elements per device in overlapping chunks of 2 end at 2, 4 and 5, times 4."""
+    metered = fc.filter_chunked_vmap(
+        f, in_axes=(None, 0), chunk_size=2, progress_meter=Counts()
+    )
+    jax.block_until_ready(metered(w, x))
+    expected = [("open", 20), 8, 16, 20, "close"] if process_id == 0 else []
+    assert COUNTS == expected, COUNTS
 
 
 if __name__ == "__main__":

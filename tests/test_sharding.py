@@ -88,10 +88,13 @@ def test_two_processes():
     """The same code under `jax.distributed`, two CPU processes over loopback."""
     port = _free_port()
     worker = [sys.executable, str(HERE / "sharding_multihost.py")]
+    # The script's folder comes first on its path: make this checkout importable.
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     processes = [
         subprocess.Popen(
             [*worker, str(i), str(port)],
             cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": path},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

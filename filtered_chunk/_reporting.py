@@ -1,0 +1,360 @@
+"""How the loop reports to a progress meter: elements done out of the batch size.
+
+Each step of the loop over chunks calls back to the host once, with the number of
+elements done (`min(end of the step, batch_size)`, so the overlapping last chunk
+never counts twice) and one element of the step's outputs: a data dependency, so
+that the call happens after the step's work rather than wherever XLA schedules it.
+The first step's report opens a meter's state and the last one closes it, so each
+*execution* of a compiled program gets its own state, and a loop without a meter
+has no callback at all. A loop of more steps than the meter's `max_updates` reports
+every `stride` steps (and the last), skipping the callback in between with a
+`lax.cond`: each call stops the program for Python.
+
+The callback is a primitive of this module rather than `jax.debug.callback`, which
+wraps its callable in a new closure on every trace (defeating the compiled program
+cache of eager calls, keyed on the callables in the jaxpr: see `_eager.py`) and
+copies the operands with `jax.device_put` on the host, which costs several times
+more per call (`benchmarks/progress.py`). The primitive behaves as a debug callback
+for JAX's transformations: it has JAX's unordered debug effect, which `custom_jvp`,
+`checkpoint` and control flow allow; it has no tangent and no transpose; partial
+evaluation keeps it with its known operands only, so reverse mode calls it in the
+forward pass, and a `jax.checkpoint` around the call does not call it again when it
+reruns that pass; under `vmap` its operands are reduced to one element, so an outer
+`vmap` reports once per step. Defining it takes JAX internals (`jax._src`: the
+Python callback emitter, the debug effect, the rules' tables), as
+`jax.debug.callback` itself does; `tests/test_progress.py` exercises each rule.
+"""
+
+import atexit
+import contextlib
+import contextvars
+import functools as ft
+import itertools
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax.extend.core as jex
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax._src import (
+    callback as _callback,
+    debugging as _debugging,
+    named_sharding,
+    sharding_impls,
+)
+from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
+from jaxtyping import Array, PyTree
+
+from ._progress import AbstractProgressMeter, is_reporting
+
+
+# Host side: the meter state of each loop that is running, keyed by its reporter.
+_lock = threading.RLock()
+_running: dict["Reporter", tuple[int, Any]] = {}
+_serial = itertools.count()
+
+
+def _close(reporter: "Reporter") -> None:
+    _, state = _running.pop(reporter)
+    reporter.methods[2](reporter.meter, state)
+
+
+@contextlib.contextmanager
+def closing_on_error() -> Iterator[None]:
+    """Closes the meters a failing call opened (outside `jit` the failure of a
+    compiled program reaches Python here)."""
+    first = next(_serial)
+    try:
+        yield
+    except BaseException:
+        with _lock:
+            for reporter in [r for r, (n, _) in _running.items() if n > first]:
+                _close(reporter)
+        raise
+
+
+@atexit.register
+def _close_all() -> None:
+    with _lock:
+        for reporter in list(_running):
+            _close(reporter)
+
+
+class Reporter:
+    """What a loop reports to its meter: a callable, equal across traces of the
+    same loop (so that eager calls hit the compiled program cache)."""
+
+    __slots__ = (
+        *("meter", "label", "total", "first", "last", "scale", "stride"),
+        *("_key", "_hash", "methods"),
+        "__weakref__",  # JAX keeps weak references to parameters
+    )
+
+    def __init__(
+        self,
+        meter: AbstractProgressMeter,
+        label: str,
+        total: int,  # the batch size, over all devices
+        first: int,  # the elements one device has done after its first step
+        last: int,  # ... after its last step
+        scale: int,  # the number of devices the batch is split over
+        stride: int,  # report every `stride` steps (and the last one)
+    ) -> None:
+        self.meter, self.label, self.total = meter, label, total
+        self.first, self.last, self.scale = first, last, scale
+        self.stride = stride
+        # Called through the class: an `eqx.Module`'s bound method costs about
+        # 50 us to make, on every step (`benchmarks/progress.py`).
+        cls = type(meter)
+        self.methods = (cls.open, cls.update, cls.close)
+        try:
+            self._hash = hash(meter)
+            key: Any = meter
+        except TypeError:  # an unhashable meter: compare it by identity
+            key = self._hash = id(meter)
+        # Hashed once: the host looks the reporter up on every step.
+        self._key = (key, label, total, first, last, scale, stride)
+        self._hash = hash((self._hash, *self._key[1:]))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Reporter) or self._hash != other._hash:
+            return False
+        return bool(self._key == other._key)
+
+    def __repr__(self) -> str:
+        return (
+            f"Reporter(meter={self.meter!r}, label={self.label!r}, "
+            f"total={self.total}, first={self.first}, last={self.last}, "
+            f"scale={self.scale}, stride={self.stride})"
+        )
+
+    def __call__(self, done: Any, *rest: Any) -> None:
+        # `rest`: the device's index over the batch's mesh axes (if sharded), then
+        # the data dependency.
+        if self.scale > 1 and int(rest[0]) != 0:
+            return  # one report per step for a sharded batch: the first shard's
+        done = int(done)
+        with _lock:
+            if done == self.first:
+                if self in _running:  # a failed execution's
+                    _close(self)
+                state = self.methods[0](self.meter, self.label, self.total)
+                _running[self] = (next(_serial), state)
+            if self not in _running:
+                return
+            _, state = _running[self]
+            count = (
+                self.total if done >= self.last else min(done * self.scale, self.total)
+            )
+            self.methods[1](self.meter, state, count)
+            if done >= self.last:
+                _close(self)
+
+
+# The primitive: a debug callback with a stable callable and a lean host call.
+progress_p = jex.Primitive("chunk_progress")
+progress_p.multiple_results = True
+
+
+@progress_p.def_impl
+def _impl(*args: Any, callback: Reporter) -> list[Any]:
+    callback(*args)
+    return []
+
+
+@progress_p.def_effectful_abstract_eval
+def _abstract_eval(*avals: Any, callback: Reporter) -> tuple[list[Any], set[Any]]:
+    del avals, callback
+    return [], {_debugging.debug_effect}
+
+
+def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
+    # Report once per step, not once per element of an outer `vmap`.
+    args = [
+        x if d is None else lax.index_in_dim(x, 0, d, keepdims=False)
+        for x, d in zip(args, dims, strict=True)
+    ]
+    return progress_p.bind(*args, **params), []
+
+
+batching.primitive_batchers[progress_p] = _batch
+ad.primitive_jvps[progress_p] = lambda primals, tangents, **params: (
+    progress_p.bind(*primals, **params),
+    [],
+)
+ad.primitive_transposes[progress_p] = lambda _, *args, **params: [None] * len(args)
+
+
+def _partial_eval_custom(
+    saveable: Any, unks_in: Sequence[bool], inst_in: Sequence[bool], eqn: Any
+) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
+    """Known operands: report in the known (forward) jaxpr only. A debug callback
+    would also be staged into the rematerialised one, so that the forward pass of
+    a `jax.checkpoint` around a chunked call would be reported twice."""
+    del saveable
+    if any(unks_in):
+        residuals = [v for v, inst in zip(eqn.invars, inst_in) if not inst]
+        return None, eqn, [], [], residuals
+    return eqn, None, [], [], []
+
+
+pe.partial_eval_jaxpr_custom_rules[progress_p] = _partial_eval_custom
+
+
+def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        # Inside `shard_map`, JAX's own debug callback knows how to place it.
+        return _debugging.debug_callback_lowering(
+            ctx,
+            *args,
+            effect=_debugging.debug_effect,
+            partitioned=False,
+            callback=callback,
+        )
+    sharding = None
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        # Run it once, on the first device, as `jax.debug.callback` does.
+        sharding = sharding_impls.SdyArrayList(
+            (
+                named_sharding.SdyArray(
+                    mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
+                ),
+            )
+        )
+
+    def _host(*flat: Any) -> tuple[()]:
+        callback(*flat)
+        return ()
+
+    _callback.emit_python_callback(
+        ctx,
+        _host,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return []
+
+
+mlir.register_lowering(progress_p, _lower, platform="cpu")
+mlir.register_lowering(progress_p, _lower, platform="gpu")
+# Python callbacks use channel IDs on TPU, which must not be cached.
+mlir.register_lowering(progress_p, _lower, platform="tpu", cacheable=False)
+
+
+# Trace side.
+class _Context:
+    outer: bool = False  # inside the loop of a chunked call that reports
+    axis_names: tuple[str, ...] = ()
+    num_devices: int = 1
+
+
+_context: contextvars.ContextVar[_Context] = contextvars.ContextVar(
+    "filtered_chunk_progress", default=_Context()
+)
+
+
+@contextlib.contextmanager
+def _set(**changes: Any) -> Iterator[None]:
+    context = _Context()
+    context.__dict__.update(vars(_context.get()), **changes)
+    token = _context.set(context)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def sharded(axis_names: tuple[str, ...], num_devices: int) -> Any:
+    """While tracing one device's loop inside `shard_map`: report once, scaled."""
+    return _set(axis_names=axis_names, num_devices=num_devices)
+
+
+def reporter(
+    meter: AbstractProgressMeter | None,
+    api: str,
+    batch_size: int,
+    chunk_size: int,
+    remainder: str,
+) -> Reporter | None:
+    """What a loop reports to `meter`: `None` if nothing (no meter, or inside the
+    loop of an outer chunked call that reports, since nested bars interleave)."""
+    context = _context.get()
+    if not is_reporting(meter) or context.outer:
+        return None
+    assert meter is not None
+    num_steps = -(-batch_size // chunk_size)
+    if remainder == "overlap":  # even chunks, the last ending at `batch_size`
+        first, last = -(-batch_size // num_steps), batch_size
+    else:  # whole chunks; the remainder is evaluated after the loop
+        first, last = chunk_size, batch_size // chunk_size * chunk_size
+    label = getattr(meter, "label", None) or api
+    scale = context.num_devices
+    # At most `max_updates` reports per call: each costs a host callback.
+    loop_steps = -(-last // first)
+    stride = -(-loop_steps // max(1, meter.max_updates))
+    return Reporter(meter, label, batch_size * scale, first, last, scale, stride)
+
+
+def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
+    """`fn`, traced so that the chunked calls inside it do not report, if the
+    loop calling it does."""
+    if found is None:
+        return fn
+
+    @ft.wraps(fn)
+    def _quiet(*args: Any, **kwargs: Any) -> Any:
+        with _set(outer=True):
+            return fn(*args, **kwargs)
+
+    return _quiet
+
+
+def _dependency(tree: PyTree[Array]) -> list[Array]:
+    """One element of the first numeric array of `tree` that has one.
+
+    `tree` holds the outputs once written into the full-size buffers, so that the
+    report follows the whole step, its write included (the compiled loop is
+    otherwise the same: no copy is added, checked on the HLO of
+    `benchmarks/progress.py`'s workload).
+    """
+    for x in jtu.tree_leaves(tree):
+        if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool):
+            return [lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())]
+    return []
+
+
+def report_step(
+    found: Reporter | None, start: Array, size: int, outputs: PyTree[Array]
+) -> None:
+    """Reports the elements done after the step of `size` elements at `start`
+    that wrote `outputs` (nothing at all without a reporter)."""
+    if found is None:
+        return
+    done = jnp.asarray(start + size, jnp.int32)
+    operands = [done]
+    if found.scale > 1:
+        operands.append(lax.axis_index(_context.get().axis_names))
+    operands += _dependency(outputs)
+
+    def _report() -> None:
+        progress_p.bind(*operands, callback=found)
+
+    if found.stride == 1:
+        return _report()
+    # Every `stride`-th step from the first (which opens), and the last (which
+    # closes). Steps that do not report skip the callback altogether.
+    step = done // size - 1
+    lax.cond((step % found.stride == 0) | (done >= found.last), _report, lambda: None)
