@@ -113,6 +113,10 @@ def _value_key(x: Any, depth: int = 0, trusted: bool = False) -> Hashable:
     if trusted and type(x) in (list, dict):
         items = x.items() if isinstance(x, dict) else enumerate(x)
         return (type(x), tuple((key(k), key(v)) for k, v in items))
+    if getattr(type(x), "cache_by_value", False) and type(x).__module__.startswith(
+        "filtered_chunk."
+    ):
+        return (type(x), x)  # the library's own, whose equality is complete
     if isinstance(x, jtu.PyTreeDef):
         return (jtu.PyTreeDef, x)  # what `jax.jit` itself compares by value
     if isinstance(x, types.FunctionType):

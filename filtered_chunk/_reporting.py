@@ -86,6 +86,10 @@ class Reporter:
     """What a loop reports to its meter: a callable, equal across traces of the
     same loop (so that eager calls hit the compiled program cache)."""
 
+    # `_eager.py` may match a cached program's reporter by value: its equality
+    # covers everything that decides where its reports go.
+    cache_by_value = True
+
     __slots__ = (
         *("meter", "label", "total", "first", "last", "scale", "stride"),
         *("_key", "_hash", "methods"),
@@ -109,10 +113,17 @@ class Reporter:
         # 50 us to make, on every step (`benchmarks/progress.py`).
         cls = type(meter)
         self.methods = (cls.open, cls.update, cls.close)
+        # A meter is an `eqx.Module`: a value, rebuilt by every tree operation, so
+        # it is compared by value, with the equality Equinox gives every Module
+        # (all fields). A class that overrides `__eq__` (which may ignore state,
+        # and so send reports to an old meter) or an unhashable meter is compared
+        # by identity; the reporter holds a reference, so the `id` is not reused.
         try:
+            if type(meter).__eq__ is not AbstractProgressMeter.__eq__:
+                raise TypeError
             self._hash = hash(meter)
             key: Any = meter
-        except TypeError:  # an unhashable meter: compare it by identity
+        except TypeError:
             key = self._hash = id(meter)
         # Hashed once: the host looks the reporter up on every step.
         self._key = (key, label, total, first, last, scale, stride)

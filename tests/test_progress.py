@@ -398,3 +398,23 @@ def test_tqdm_bar_in_a_terminal(tmp_path):
     assert bar.startswith("sines: 100%|"), screen
     assert "1000/1000" in bar and "elements/s" in bar, screen
     assert len(lines) == 2, screen  # the bar redrawn on one line
+
+
+class _EqualToAll(Recorder):
+    """A meter whose own `__eq__` ignores its state."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Recorder)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def test_a_meter_with_its_own_eq_is_never_matched_by_it(monkeypatch):
+    monkeypatch.setattr(_eager, "_programs", collections.OrderedDict())
+    x = jnp.linspace(0.0, 1.0, 10)
+    first, second = _EqualToAll("equal-a"), _EqualToAll("equal-b")
+    fc.filter_chunked_vmap(jnp.sin, chunk_size=4, progress_meter=first)(x)
+    fc.filter_chunked_vmap(jnp.sin, chunk_size=4, progress_meter=second)(x)
+    check_one_call(first, "filter_chunked_vmap", 10)
+    check_one_call(second, "filter_chunked_vmap", 10)
