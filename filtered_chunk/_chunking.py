@@ -8,9 +8,10 @@ mapped inputs sliced to `size` elements along their mapped axes and returns
 - `unbatched`: arrays that do not depend on the batch (`out_axes=None`);
 - `static`: an `eqx.Module` (typically `eqx.internal.Static`) with everything else.
 
-Memory design (see `shared/MEASUREMENTS.md`): one `lax.scan` writes each chunk into
-preallocated outputs with `lax.dynamic_update_slice`, slicing its inputs with
-`lax.dynamic_slice` inside the (optionally checkpointed) body. With
+Memory design (measured by `benchmarks/run.py` and `benchmarks/derivatives.py`): one
+`lax.scan` writes each chunk into preallocated outputs with
+`lax.dynamic_update_slice`, slicing its inputs with `lax.dynamic_slice` inside the
+body (checkpointed when differentiated: see `_derivatives.py`). With
 `remainder="overlap"` the `ceil(batch_size / chunk_size)` steps use even chunks of
 at most `chunk_size` elements (`balanced_chunk_size`) and the last starts at
 `batch_size` minus that size, recomputing fewer elements than there are steps, so
@@ -28,7 +29,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec as CheckpointSpec, REMAINDERS
-from ._derivatives import checkpointed, scan_chunks
+from ._derivatives import scan_chunks
 
 
 class ChunkOutput(NamedTuple):
@@ -159,15 +160,6 @@ def run_in_chunks(
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
 
-    def _step(size: int) -> Callable[[PyTree[Array], Any], tuple[Any, Any]]:
-        def _arrays(_inputs: PyTree[Array], start: Any) -> tuple[Any, Any]:
-            # Slice inside the checkpointed region, so that reverse mode saves the
-            # (already live) inputs rather than a copy of every chunk.
-            out = chunk_fn(slice_inputs(_inputs, in_axes, start, size), size)
-            return jtu.tree_leaves(out.batched), out.unbatched
-
-        return checkpointed(_arrays, checkpoint)
-
     shapes = eqx.filter_eval_shape(
         lambda _inputs: chunk_fn(
             slice_inputs(_inputs, in_axes, 0, chunk_size), chunk_size
@@ -183,29 +175,40 @@ def run_in_chunks(
     overlap = remainder == "overlap" and leftover != 0
     num_steps = num_chunks + 1 if overlap else num_chunks
 
-    def _chunk_arrays(chunk: PyTree[Array]) -> tuple[Any, Any]:
-        out = chunk_fn(chunk, chunk_size)
-        return jtu.tree_leaves(out.batched), out.unbatched
+    def _loop(total: int, size: int, steps: int, _inputs: Any, _state: Any) -> Any:
+        def _chunk_arrays(chunk: PyTree[Array]) -> tuple[Any, Any]:
+            out = chunk_fn(chunk, size)
+            return jtu.tree_leaves(out.batched), out.unbatched
 
-    # The loop (steps at `i * chunk_size`, the last clamped to end at `batch_size`)
-    # carries a JVP rule that keeps reverse mode linear in the batch: see
-    # `_derivatives.py`.
-    buffers, unbatched = scan_chunks(
-        _chunk_arrays,
-        inputs,
-        in_axes,
-        buffers,
-        unbatched,
-        axes=axes,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        num_steps=num_steps,
-        checkpoint=checkpoint,
-        write=lambda _buffers, _chunk, start: _write(_buffers, _chunk, axes, start),
-    )
+        # The loop (steps at `i * size`, the last clamped to end at the batch's end)
+        # carries a JVP rule that keeps reverse mode linear in the batch, and
+        # checkpoints each step only when differentiated: see `_derivatives.py`.
+        return scan_chunks(
+            _chunk_arrays,
+            _inputs,
+            in_axes,
+            *_state,
+            axes=axes,
+            batch_size=total,
+            chunk_size=size,
+            num_steps=steps,
+            checkpoint=checkpoint,
+            write=lambda _b, _chunk, start: _write(_b, _chunk, axes, start),
+        )
+
+    state = (buffers, unbatched)
+    buffers, unbatched = _loop(batch_size, chunk_size, num_steps, inputs, state)
     if leftover != 0 and not overlap:
+        # The remainder is a loop of one step on its own slice of the batch, so
+        # that it gets the same derivative rule as the loop over whole chunks.
         start = batch_size - leftover
-        _chunk, unbatched = _step(leftover)(inputs, start)
-        buffers = _write(buffers, _chunk, axes, start)
+        rest = slice_inputs(inputs, in_axes, start, leftover)
+        rest_buffers = [
+            _grow(s, a, leftover)
+            for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
+        ]
+        state = (rest_buffers, unbatched)
+        rest_buffers, unbatched = _loop(leftover, leftover, 1, rest, state)
+        buffers = _write(buffers, rest_buffers, axes, start)
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
     return ChunkOutput(batched, axes, unbatched, shapes.static)

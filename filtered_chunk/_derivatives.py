@@ -2,8 +2,10 @@
 
 [`run_in_chunks`][] hands its loop to [`scan_chunks`][]. Evaluated, it is one
 `lax.scan` that slices each chunk out of the inputs (scan constants) and writes its
-outputs into full-size buffers (scan carries) in place, inside an optionally
-checkpointed body: peak memory is the outputs plus one chunk's working set.
+outputs into full-size buffers (scan carries) in place: peak memory is the outputs
+plus one chunk's working set. The evaluated loop holds no `jax.checkpoint`, which
+only matters to differentiation (and which `checkify` cannot transform): the JVP
+rule below is where each step is checkpointed.
 
 Differentiating that loop as written is correct but slow. Reverse mode transposes
 the input slices into updates of a full-size cotangent carry and the in-place writes
@@ -127,8 +129,6 @@ class _Loop(eqx.Module):
 def _primal_step(
     fn: ArraysFn, inputs: PyTree[Array], start: Int[Array, ""], loop: _Loop
 ) -> tuple[list[Array], PyTree[Array]]:
-    # Slice inside the checkpointed region, so that reverse mode saves the (already
-    # live) inputs rather than a copy of every chunk.
     return _as_arrays(fn(loop.slice(inputs, start)))
 
 
@@ -164,7 +164,10 @@ def _run(
     *,
     loop: _Loop,
 ) -> tuple[list[Array], PyTree[Array]]:
-    step = checkpointed(_primal_step, loop.checkpoint)
+    # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
+    # goes through `_run_jvp`, which checkpoints), and a `checkpoint` in a program
+    # that is never differentiated only gets in other transformations' way
+    # (`checkify` cannot transform one in jax 0.10).
     last = loop.batch_size - loop.chunk_size
 
     def _body(carry: tuple[Any, Any, Any], _: None) -> tuple[Any, None]:
@@ -172,10 +175,12 @@ def _run(
         # from an array, compiles to one kernel fewer (benchmarks/).
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
-        _chunk, _unbatched = step(fn, inputs, start, loop)
+        _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
         return (loop.write(_buffers, _chunk, start), _unbatched, index + 1), None
 
-    init = (buffers, unbatched, jnp.zeros((), jnp.int32))
+    # The default integer type, as in `loop.starts()`: `checkify` compares the
+    # index with shapes of that type, which strict dtype promotion requires.
+    init = (buffers, unbatched, jnp.zeros((), int))
     (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
     return buffers, unbatched
 
