@@ -134,7 +134,7 @@ class _ChunkedVmapWrapper(eqx.Module):
         else:
             # Each device chunks its own shard: see `_sharding.py`.
             check_collectives(
-                _element, mapped, in_axes, self._axis_name, sharding, _API
+                _element, mapped, in_axes, self._axis_name, sharding, batch_size, _API
             )
             out = run_sharded(
                 ft.partial(_run_local, in_axes),
@@ -180,7 +180,9 @@ class _ChunkedVmapWrapper(eqx.Module):
             return
         structs = jtu.tree_map(_element_struct, in_axes, mapped)
         arrays = lambda m: eqx.filter(element(m)[:2], is_array)  # noqa: E731
-        found = collectives_over(arrays, structs, self._axis_name, chunk_size)
+        found = collectives_over(
+            arrays, structs, self._axis_name, batch_size, chunk_size
+        )
         if found:
             num_steps = -(-batch_size // chunk_size)
             raise ValueError(

@@ -193,6 +193,7 @@ def check_collectives(
     in_axes: PyTree[int | None],
     axis_name: Hashable | None,
     sharding: BatchSharding,
+    batch_size: int,
     api: str,
 ) -> None:
     """Refuses collectives over `axis_name`: each device would see its shard only."""
@@ -206,7 +207,8 @@ def check_collectives(
 
     structs = jtu.tree_map(_element_struct, in_axes, mapped)
     arrays = lambda m: eqx.filter(element(m)[:2], is_array)
-    found = collectives_over(arrays, structs, axis_name, sharding.num_devices)
+    local_size = max(1, batch_size // sharding.num_devices)
+    found = collectives_over(arrays, structs, axis_name, batch_size, local_size)
     if found:
         raise ValueError(
             f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
