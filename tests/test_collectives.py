@@ -7,6 +7,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -168,3 +169,45 @@ def test_no_false_positive_without_collectives(jit, getkey):
     assert tree_allclose(
         fc.filter_chunked_vmap(count, axis_name="i", chunk_size=3)(n), expected
     )
+
+
+# Shapes that only work at the full axis size: the probe must find the collective
+# before tracing `fun` at any other size.
+_SIZED = {
+    "all_gather": (
+        lambda e: lax.all_gather(e, "i").reshape(20)[:2] + e,
+        (10, 2),
+        "all_gather",
+    ),
+    "all_to_all": (lambda e: lax.all_to_all(e, "i", 0, 0), (10, 10), "all_to_all"),
+    "psum_scatter": (lambda e: lax.psum_scatter(e, "i"), (10, 10), "reduce_scatter"),
+}
+
+
+@pytest.mark.parametrize("name", _SIZED)
+@pytest.mark.parametrize("jit", (False, True))
+def test_size_dependent_shapes_raise_the_documented_error(name, jit):
+    f, shape, primitive = _SIZED[name]
+    x = jnp.arange(float(np.prod(shape))).reshape(shape)
+    chunked = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)
+    match = (
+        rf"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
+        rf"collective\(s\) `{primitive}` over 'i', but the batch of 10 is split"
+    )
+    with pytest.raises(ValueError, match=match):
+        (jax.jit(chunked) if jit else chunked)(x)
+    expected = eqx.filter_vmap(f, axis_name="i")(x)
+    assert tree_allclose(fc.filter_chunked_vmap(f, axis_name="i")(x), expected)
+
+
+def test_numpy_random_numbers_at_trace_time_are_not_axis_size():
+    # Two traces at the same size already differ: that says nothing about the size.
+    rng = np.random.default_rng(0)
+    f = lambda e: e * rng.uniform(1.0, 2.0)
+    x = jnp.arange(1.0, 21.0).reshape(10, 2)
+    out = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)(x)
+    # One trace-time number for the whole batch, as `eqx.filter_vmap` draws.
+    scale = out[0, 0] / x[0, 0]
+    assert tree_allclose(out, x * scale)
+    expected = eqx.filter_vmap(f, axis_name="i")(x)
+    assert tree_allclose(out.shape, expected.shape)
