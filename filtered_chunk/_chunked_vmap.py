@@ -348,10 +348,11 @@ def filter_chunked_vmap(
         elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /
         chunk_size)` steps over chunks of equal size (at most `chunk_size`), the
         last starting where it ends the batch: it recomputes fewer elements than
-        there are steps, needs no second working set, and traces `fun` once.
-        `"separate"` evaluates the remainder in a second `vmap` after the loop: no
-        recomputation, but a second trace of `fun` and, measured, up to twice the
-        memory.
+        there are steps, needs no second working set, and traces `fun` once
+        (with `axis_name`, the check for collectives traces it up to three more
+        times). `"separate"` evaluates the remainder in a second `vmap` after the
+        loop: no recomputation, but a second trace of `fun` and, measured, up to
+        twice the memory.
     - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which

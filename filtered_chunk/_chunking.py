@@ -140,6 +140,32 @@ def check_chunking(chunk_size: int | None, remainder: str, api: str) -> None:
         )
 
 
+def _convert(
+    chunk_fn: ChunkFn, inputs: PyTree[Array], in_axes: PyTree[int | None], size: int
+) -> tuple[Callable[[PyTree[Array]], tuple[Any, Any]], ChunkOutput]:
+    """`chunk_fn` at `size` elements, closure-converted for the loop (see
+    `scan_chunks`), and its output's shapes, axes and static part.
+
+    Both come from one trace of `chunk_fn` (that of `eqx.filter_closure_convert`),
+    so that `fun` is traced once per loop.
+    """
+    shapes: list[ChunkOutput] = []
+
+    def _chunk_arrays(chunk: PyTree[Array]) -> tuple[list[Array], PyTree[Array]]:
+        out = chunk_fn(chunk, size)
+        batched, unbatched = jax.eval_shape(lambda: (out.batched, out.unbatched))
+        shapes.append(ChunkOutput(batched, out.batched_axes, unbatched, out.static))
+        return jtu.tree_leaves(out.batched), out.unbatched
+
+    # An example chunk (dead code under `jit`) carries the inputs' full types:
+    # dtype, weak type, sharding, varying manual axes.
+    example = slice_inputs(inputs, in_axes, jnp.array(0), size)
+    fn = eqx.filter_closure_convert(_chunk_arrays, example)
+    if not shapes:  # not traced (never so for a closure, which this is)
+        eqx.filter_eval_shape(_chunk_arrays, example)
+    return fn, shapes[0]
+
+
 def run_in_chunks(
     chunk_fn: ChunkFn,
     inputs: PyTree[Array],
@@ -159,35 +185,23 @@ def run_in_chunks(
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
-
-    shapes = eqx.filter_eval_shape(
-        lambda _inputs: chunk_fn(
-            slice_inputs(_inputs, in_axes, 0, chunk_size), chunk_size
-        ),
-        inputs,
-    )
+    overlap = remainder == "overlap" and leftover != 0
+    num_steps = num_chunks + 1 if overlap else num_chunks
+    fn, shapes = _convert(chunk_fn, inputs, in_axes, chunk_size)
     axes = shapes.batched_axes
     buffers = [
         _grow(s, a, batch_size)
         for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
     ]
     unbatched = jtu.tree_map(_zeros, shapes.unbatched)
-    overlap = remainder == "overlap" and leftover != 0
-    num_steps = num_chunks + 1 if overlap else num_chunks
 
-    def _loop(total: int, size: int, steps: int, _inputs: Any, _state: Any) -> Any:
-        def _chunk_arrays(chunk: PyTree[Array]) -> tuple[Any, Any]:
-            out = chunk_fn(chunk, size)
-            return jtu.tree_leaves(out.batched), out.unbatched
-
+    def _loop(fn: Any, total: int, size: int, steps: int, *args: Any) -> Any:
         # The loop (steps at `i * size`, the last clamped to end at the batch's end)
         # carries a JVP rule that keeps reverse mode linear in the batch, and
         # checkpoints each step only when differentiated: see `_derivatives.py`.
         return scan_chunks(
-            _chunk_arrays,
-            _inputs,
-            in_axes,
-            *_state,
+            fn,
+            *args,
             axes=axes,
             batch_size=total,
             chunk_size=size,
@@ -197,18 +211,23 @@ def run_in_chunks(
         )
 
     state = (buffers, unbatched)
-    buffers, unbatched = _loop(batch_size, chunk_size, num_steps, inputs, state)
+    buffers, unbatched = _loop(
+        fn, batch_size, chunk_size, num_steps, inputs, in_axes, *state
+    )
     if leftover != 0 and not overlap:
         # The remainder is a loop of one step on its own slice of the batch, so
         # that it gets the same derivative rule as the loop over whole chunks.
         start = batch_size - leftover
         rest = slice_inputs(inputs, in_axes, start, leftover)
+        fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
         rest_buffers = [
             _grow(s, a, leftover)
             for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
         ]
         state = (rest_buffers, unbatched)
-        rest_buffers, unbatched = _loop(leftover, leftover, 1, rest, state)
+        rest_buffers, unbatched = _loop(
+            fn, leftover, leftover, 1, rest, in_axes, *state
+        )
         buffers = _write(buffers, rest_buffers, axes, start)
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
     return ChunkOutput(batched, axes, unbatched, shapes.static)

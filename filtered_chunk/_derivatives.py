@@ -260,7 +260,7 @@ def _unbatched_tangents(
 
 
 def scan_chunks(
-    arrays: ArraysFn,
+    fn: ArraysFn,
     inputs: PyTree[Array],
     in_axes: PyTree[int],
     buffers: list[Array],
@@ -273,11 +273,13 @@ def scan_chunks(
     checkpoint: CheckpointSpec,
     write: WriteFn,
 ) -> tuple[list[Array], PyTree[Array]]:
-    """Runs `arrays` on each step's chunk of `inputs`, writing its batched outputs
+    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` (at `axes`) with `write`; returns the buffers and the last
-    step's unbatched outputs."""
+    step's unbatched outputs.
+
+    `fn` holds the arrays it closes over as its PyTree leaves (made by
+    `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
+    rule and get tangents.
+    """
     loop = _Loop(in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write)
-    # Example chunks (dead code under `jit`) carry the inputs' full types: dtype,
-    # weak type, sharding, varying manual axes.
-    fn = eqx.filter_closure_convert(arrays, loop.slice(inputs, jnp.array(0)))
     return _run(fn, inputs, buffers, unbatched, loop=loop)
