@@ -129,13 +129,24 @@ class _ChunkedVmapWrapper(eqx.Module):
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
         if sharding is None:
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
+        one_chunk = self._chunk_size is None or self._chunk_size >= batch_size
+        if sharding is not None and check_collectives(
+            _element,
+            mapped,
+            in_axes,
+            self._axis_name,
+            sharding,
+            batch_size,
+            _API,
+            one_chunk=one_chunk,
+        ):
+            # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes
+            # the collective across the devices.
+            sharding = None
         if sharding is None:
             out = self._run(static, in_axes, mapped, batch_size)
         else:
             # Each device chunks its own shard: see `_sharding.py`.
-            check_collectives(
-                _element, mapped, in_axes, self._axis_name, sharding, batch_size, _API
-            )
             out = run_sharded(
                 ft.partial(_run_local, in_axes),
                 (self, static),
@@ -341,8 +352,10 @@ def filter_chunked_vmap(
         each device chunks its own `batch_size / num_devices` elements.
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
-        collective over this axis would only see one chunk, so it raises a
-        `ValueError` instead of computing a per-chunk result.
+        collective over this axis (even one that only a custom derivative rule
+        performs) would only see one chunk, so it raises a `ValueError` instead of
+        computing a per-chunk result. With one chunk it is computed as by
+        `equinox.filter_vmap`, also on a batch split over devices.
     - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
     - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
         elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /

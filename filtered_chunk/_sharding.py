@@ -2,13 +2,13 @@
 
 Chunking an axis that is sharded over devices breaks sharding propagation: the
 scan's dynamic slices index the whole batch, so XLA gathers it onto every device
-(see "Peers' behaviour" in `shared/MEASUREMENTS.md`). Instead, when the batch is
-split over a mesh axis, [`run_sharded`][] runs the chunked map under
-`jax.shard_map`, manual over that mesh axis only: each device chunks its own
-`batch_size / num_devices` elements, and the compiled program has no collective on
-the batch. Unmapped inputs enter `shard_map` replicated over the manual axis (so
-`shard_map`'s transpose sums their cotangents over it, once) and stay as they are
-over every other mesh axis.
+(`jax.lax.map(batch_size=...)` adds all-gathers: `benchmarks/sharding.py`).
+Instead, when the batch is split over a mesh axis, [`run_sharded`][] runs the
+chunked map under `jax.shard_map`, manual over that mesh axis only: each device
+chunks its own `batch_size / num_devices` elements, and the compiled program has no
+collective on the batch. Unmapped inputs enter `shard_map` replicated over the
+manual axis (so `shard_map`'s transpose sums their cotangents over it, once) and
+stay as they are over every other mesh axis.
 
 The mesh axis is found from the mapped inputs wherever JAX shows it when tracing:
 the `NamedSharding` of a concrete `jax.Array`, or the type of a traced array in
@@ -195,10 +195,17 @@ def check_collectives(
     sharding: BatchSharding,
     batch_size: int,
     api: str,
-) -> None:
-    """Refuses collectives over `axis_name`: each device would see its shard only."""
+    *,
+    one_chunk: bool,
+) -> bool:
+    """Whether `fun` uses collectives over `axis_name`, which a device evaluating
+    its own shard would compute over that shard only.
+
+    Allowed (`True`) only when the whole batch is `one_chunk`, for one `vmap` of
+    the whole batch; refused otherwise.
+    """
     if axis_name is None:
-        return
+        return False
 
     def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
         shape = list(np.shape(x))
@@ -209,14 +216,17 @@ def check_collectives(
     arrays = lambda m: eqx.filter(element(m)[:2], is_array)
     local_size = max(1, batch_size // sharding.num_devices)
     found = collectives_over(arrays, structs, axis_name, batch_size, local_size)
-    if found:
+    if found and not one_chunk:
         raise ValueError(
             f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
             f"collective(s) {', '.join(f'`{c}`' for c in found)} over {axis_name!r}, "
             f"but the batch is split over the mesh axes {sharding.axis_names!r}, so "
-            "each device would only see its own shard. Move the collective out of "
+            "each device would only see its own shard when chunking it. Use "
+            f"`chunk_size=None` (or at least the batch size, {batch_size}) to "
+            "evaluate the whole batch in one `vmap`, or move the collective out of "
             "the mapped function (for example, reduce the mapped output afterwards)."
         )
+    return bool(found)
 
 
 def run_sharded(
