@@ -41,7 +41,14 @@ def _environment(num_devices: int) -> dict[str, str]:
     flag = f"--xla_force_host_platform_device_count={num_devices}"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return _with_package(env)
+
+
+def _with_package(env: dict[str, str]) -> dict[str, str]:
+    """`env` importing the package under test, not whichever copy is installed (a
+    script's own folder, not the working directory, leads `sys.path`)."""
+    paths = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +99,7 @@ def test_two_processes():
         subprocess.Popen(
             [*worker, str(i), str(port)],
             cwd=ROOT,
+            env=_with_package(dict(os.environ)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
