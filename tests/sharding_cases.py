@@ -351,3 +351,24 @@ def test_collective_over_axis_name_raises_when_chunked(chunk_size):
     chunked = fc.filter_chunked_vmap(normalise, axis_name="i", chunk_size=chunk_size)
     with pytest.raises(ValueError, match="each device would only see its own"):
         chunked(x)
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("chunk_size", (2, None))
+def test_traces_of_fun(remainder, chunk_size):
+    # One trace for the outputs' shapes, then the per-device loop's (two chunk
+    # sizes with a separate remainder: 5 elements per device in chunks of 2).
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jnp.ones((40, 2)), mesh, "batch")
+    traces = []
+
+    def f(e):
+        traces.append(None)
+        return jnp.sin(e)
+
+    kwargs: dict[str, Any] = dict(chunk_size=chunk_size, remainder=remainder)
+    with jax.set_mesh(mesh):
+        out = jax.jit(fc.filter_chunked_vmap(f, **kwargs))(x)
+    assert tree_allclose(out, eqx.filter_vmap(jnp.sin)(x))
+    separate = remainder == "separate" and chunk_size is not None
+    assert len(traces) == (3 if separate else 2)
