@@ -211,13 +211,26 @@ class _ChunkedVmapWrapper(eqx.Module):
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
         if sharding is None:
             sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
+        chunk_size = self._chunk_size
+        assert not isinstance(chunk_size, MemoryBudget)  # chosen in `__call__`
+        one_chunk = chunk_size is None or chunk_size >= batch_size
+        if sharding is not None and check_collectives(
+            _element,
+            mapped,
+            in_axes,
+            self._axis_name,
+            sharding,
+            batch_size,
+            _API,
+            one_chunk=one_chunk,
+        ):
+            # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes
+            # the collective across the devices.
+            sharding = None
         if sharding is None:
             out = self._run(static, in_axes, mapped, batch_size)
         else:
             # Each device chunks its own shard: see `_sharding.py`.
-            check_collectives(
-                _element, mapped, in_axes, self._axis_name, sharding, _API
-            )
             out = run_sharded(
                 ft.partial(_run_local, in_axes),
                 (self, static),
@@ -265,7 +278,9 @@ class _ChunkedVmapWrapper(eqx.Module):
             return
         structs = jtu.tree_map(_element_struct, in_axes, mapped)
         arrays = lambda m: eqx.filter(element(m)[:2], is_array)  # noqa: E731
-        found = collectives_over(arrays, structs, self._axis_name, chunk_size)
+        found = collectives_over(
+            arrays, structs, self._axis_name, batch_size, chunk_size
+        )
         if found:
             num_steps = -(-batch_size // chunk_size)
             raise ValueError(
@@ -441,17 +456,20 @@ def filter_chunked_vmap(
         `chunk_size`).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
-        collective over this axis would only see one chunk, so it raises a
-        `ValueError` instead of computing a per-chunk result.
+        collective over this axis (even one that only a custom derivative rule
+        performs) would only see one chunk, so it raises a `ValueError` instead of
+        computing a per-chunk result. With one chunk it is computed as by
+        `equinox.filter_vmap`, also on a batch split over devices.
     - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
     - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
         elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /
         chunk_size)` steps over chunks of equal size (at most `chunk_size`), the
         last starting where it ends the batch: it recomputes fewer elements than
-        there are steps, needs no second working set, and traces `fun` once.
-        `"separate"` evaluates the remainder in a second `vmap` after the loop: no
-        recomputation, but a second trace of `fun` and, measured, up to twice the
-        memory.
+        there are steps, needs no second working set, and traces `fun` once
+        (with `axis_name`, the check for collectives traces it up to three more
+        times). `"separate"` evaluates the remainder in a second `vmap` after the
+        loop: no recomputation, but a second trace of `fun` and, measured, up to
+        twice the memory.
     - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which

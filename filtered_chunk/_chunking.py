@@ -10,16 +10,17 @@ mapped inputs sliced to `size` elements along their mapped axes and returns
 
 Memory design: one `lax.scan` writes each chunk into preallocated outputs with
 `lax.dynamic_update_slice`, slicing its inputs with `lax.dynamic_slice` inside the
-(optionally checkpointed) body. With `remainder="overlap"` the
-`ceil(batch_size / chunk_size)` steps use even chunks of at most `chunk_size`
-elements (`balanced_chunk_size`) and the last starts at `batch_size` minus that
-size, recomputing fewer elements than there are steps, so the remainder never needs
-a second working set or a concatenation. Both alternatives cost memory: XLA does
-not share the loop body's buffers with a separate remainder evaluated after the
-loop (a second working set: 1.90x the floor on the MLP of `benchmarks/run.py` at
-`K = 100`, against 1.01x for the overlapping chunk), and concatenating the scanned
-part with the remainder copies every output (as `jax.lax.map(batch_size=)` does:
-1.98x on its per-example gradients). `tests/test_schedule.py` pins the one scan.
+body (checkpointed when differentiated: see `_derivatives.py`). With
+`remainder="overlap"` the `ceil(batch_size / chunk_size)` steps use even chunks of
+at most `chunk_size` elements (`balanced_chunk_size`) and the last starts at
+`batch_size` minus that size, recomputing fewer elements than there are steps, so
+the remainder never needs a second working set or a concatenation. Both alternatives
+cost memory: XLA does not share the loop body's buffers with a separate remainder
+evaluated after the loop (a second working set: 1.90x the floor on the MLP of
+`benchmarks/run.py` at `K = 100`, against 1.01x for the overlapping chunk), and
+concatenating the scanned part with the remainder copies every output (as
+`jax.lax.map(batch_size=)` does: 1.98x on its per-example gradients).
+`tests/test_schedule.py` pins the one scan.
 """
 
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from jaxtyping import Array, Int, PyTree
 
 from ._budget import MemoryBudget, normalise_chunk_size
 from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
-from ._derivatives import checkpointed, scan_chunks
+from ._derivatives import scan_chunks
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
 
@@ -148,6 +149,35 @@ def check_chunking(chunk_size: Any, remainder: str, api: str) -> ChunkSize:
     return chunk_size
 
 
+def _convert(
+    chunk_fn: ChunkFn,
+    inputs: PyTree[InputArray],
+    in_axes: PyTree[int | None],
+    size: int,
+) -> tuple[Callable[[PyTree[Array]], tuple[Any, Any]], ChunkOutput]:
+    """`chunk_fn` at `size` elements, closure-converted for the loop (see
+    `scan_chunks`), and its output's shapes, axes and static part.
+
+    Both come from one trace of `chunk_fn` (that of `eqx.filter_closure_convert`),
+    so that `fun` is traced once per loop.
+    """
+    shapes: list[ChunkOutput] = []
+
+    def _chunk_arrays(chunk: PyTree[Array]) -> tuple[list[Array], PyTree[Array]]:
+        out = chunk_fn(chunk, size)
+        batched, unbatched = jax.eval_shape(lambda: (out.batched, out.unbatched))
+        shapes.append(ChunkOutput(batched, out.batched_axes, unbatched, out.static))
+        return jtu.tree_leaves(out.batched), out.unbatched
+
+    # An example chunk (dead code under `jit`) carries the inputs' full types:
+    # dtype, weak type, sharding, varying manual axes.
+    example = slice_inputs(inputs, in_axes, jnp.array(0), size)
+    fn = eqx.filter_closure_convert(_chunk_arrays, example)
+    if not shapes:  # not traced (never so for a closure, which this is)
+        eqx.filter_eval_shape(_chunk_arrays, example)
+    return fn, shapes[0]
+
+
 def run_in_chunks(
     chunk_fn: ChunkFn,
     inputs: PyTree[InputArray],
@@ -172,55 +202,52 @@ def run_in_chunks(
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     num_chunks, leftover = divmod(batch_size, chunk_size)
-
-    def _step(size: int) -> Callable[[PyTree[InputArray], Any], tuple[Any, Any]]:
-        def _arrays(_inputs: PyTree[InputArray], start: Any) -> tuple[Any, Any]:
-            # Slice inside the checkpointed region, so that reverse mode saves the
-            # (already live) inputs rather than a copy of every chunk.
-            out = chunk_fn(slice_inputs(_inputs, in_axes, start, size), size)
-            return jtu.tree_leaves(out.batched), out.unbatched
-
-        return checkpointed(_arrays, checkpoint)
-
-    shapes = eqx.filter_eval_shape(
-        lambda _inputs: chunk_fn(
-            slice_inputs(_inputs, in_axes, 0, chunk_size), chunk_size
-        ),
-        inputs,
-    )
+    overlap = remainder == "overlap" and leftover != 0
+    num_steps = num_chunks + 1 if overlap else num_chunks
+    fn, shapes = _convert(chunk_fn, inputs, in_axes, chunk_size)
     axes = shapes.batched_axes
     buffers = [
         _grow(s, a, batch_size)
         for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
     ]
     unbatched = jtu.tree_map(_zeros, shapes.unbatched)
-    overlap = remainder == "overlap" and leftover != 0
-    num_steps = num_chunks + 1 if overlap else num_chunks
 
-    def _chunk_arrays(chunk: PyTree[Array]) -> tuple[Any, Any]:
-        out = chunk_fn(chunk, chunk_size)
-        return jtu.tree_leaves(out.batched), out.unbatched
+    def _loop(
+        fn: Any, total: int, size: int, steps: int, found: Any, *args: Any
+    ) -> Any:
+        # The loop (steps at `i * size`, the last clamped to end at the batch's end)
+        # carries a JVP rule that keeps reverse mode linear in the batch, and
+        # checkpoints each step only when differentiated: see `_derivatives.py`.
+        return scan_chunks(
+            fn,
+            *args,
+            axes=axes,
+            batch_size=total,
+            chunk_size=size,
+            num_steps=steps,
+            checkpoint=checkpoint,
+            write=lambda _b, _chunk, start: _write(_b, _chunk, axes, start),
+            reporter=found,
+        )
 
-    # The loop (steps at `i * chunk_size`, the last clamped to end at `batch_size`)
-    # carries a JVP rule that keeps reverse mode linear in the batch: see
-    # `_derivatives.py`.
-    buffers, unbatched = scan_chunks(
-        _chunk_arrays,
-        inputs,
-        in_axes,
-        buffers,
-        unbatched,
-        axes=axes,
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        num_steps=num_steps,
-        checkpoint=checkpoint,
-        write=lambda _buffers, _chunk, start: _write(_buffers, _chunk, axes, start),
-        reporter=found,
+    state = (buffers, unbatched)
+    buffers, unbatched = _loop(
+        fn, batch_size, chunk_size, num_steps, found, inputs, in_axes, *state
     )
     if leftover != 0 and not overlap:
+        # The remainder is a loop of one step on its own slice of the batch, so
+        # that it gets the same derivative rule as the loop over whole chunks.
         start = batch_size - leftover
-        _chunk, unbatched = _step(leftover)(inputs, start)
-        buffers = _write(buffers, _chunk, axes, start)
+        rest = slice_inputs(inputs, in_axes, start, leftover)
+        fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
+        rest_buffers = [
+            _grow(s, a, leftover)
+            for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
+        ]
+        state = (rest_buffers, unbatched)
+        rest_buffers, unbatched = _loop(
+            fn, leftover, leftover, 1, None, rest, in_axes, *state
+        )
+        buffers = _write(buffers, rest_buffers, axes, start)
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
     return ChunkOutput(batched, axes, unbatched, shapes.static)

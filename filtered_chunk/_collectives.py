@@ -3,7 +3,12 @@
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax
+import jax.core
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import PyTree
 
 
@@ -36,24 +41,89 @@ def collectives_over(
     element: PyTree[jax.ShapeDtypeStruct],
     axis_name: Hashable,
     axis_size: int,
+    other_size: int,
 ) -> list[str]:
-    """The names of the collectives over `axis_name` that `fun(element)` performs.
+    """The names of the collectives over `axis_name` that `fun(element)` performs,
+    evaluated or differentiated, when the axis has `axis_size` elements.
+
+    `fun` is traced at `axis_size` first, the size it is written for: a function
+    whose shapes depend on the axis (an `all_gather` reshaped to the batch) may not
+    trace at any other. A collective that only a custom derivative rule performs
+    (a `jax.custom_vjp` backward pass) shows in the derivatives of that trace.
 
     `lax.axis_size` (and `lax.psum` of a constant) reads the size of the axis when
     tracing and leaves no collective in the jaxpr; it shows as `"axis_size"` when the
-    jaxpr changes with that size.
+    jaxpr changes with that size (`other_size`), and not when it already changes
+    between two traces at the same size (a function that draws NumPy random numbers
+    when traced).
     """
-    trace = lambda size: jax.make_jaxpr(fun, axis_env=[(axis_name, size)])(element)
-    jaxpr = trace(axis_size)
-    found = set(_find(jaxpr.jaxpr, axis_name))
-    if not found and _depends_on_size(trace, str(jaxpr), axis_size + 1):
+
+    def trace(size: int) -> Any:
+        # A new function every time: `make_jaxpr` caches traces by function.
+        _fun = lambda _element: fun(_element)
+        return jax.make_jaxpr(_fun, axis_env=[(axis_name, size)])(element)
+
+    closed = trace(axis_size)
+    found = set(_find(closed.jaxpr, axis_name))
+    if not found:  # the derivatives of a collective hold its transposes
+        found.update(_in_derivatives(closed, element, axis_name, axis_size))
+    if not found and _depends_on_size(trace, str(closed), axis_size, other_size):
         found.add("axis_size")
     return sorted(found)
 
 
-def _depends_on_size(trace: Callable[[int], Any], jaxpr: str, other: int) -> bool:
+def _in_derivatives(
+    closed: Any, element: PyTree[Any], axis_name: Hashable, axis_size: int
+) -> set[str]:
+    """The collectives in the derivatives of `closed` (a traced function of
+    `element`) w.r.t. its inexact inputs and the arrays it closed over.
+
+    Reverse mode shows both custom rules: a `custom_jvp` rule is linearised and a
+    `custom_vjp` backward pass is traced when transposing. Where reverse mode is not
+    defined (a `while_loop`), forward mode shows `custom_jvp` rules.
+    """
+    inputs = ([_struct(c) for c in closed.consts], jtu.tree_leaves(element))
+    diff, nondiff = eqx.partition(inputs, _inexact)
+
+    def _outputs(_diff: Any) -> list[Any]:
+        consts, args = eqx.combine(_diff, nondiff)
+        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *args)
+        return [x for x in out if jnp.issubdtype(x.dtype, jnp.inexact)]
+
+    def _reverse(_diff: Any) -> Any:
+        out, pullback = jax.vjp(_outputs, _diff)
+        return pullback(out)
+
+    def _forward(_diff: Any) -> Any:
+        return jax.jvp(_outputs, (_diff,), (_diff,))
+
+    for derivative in (_reverse, _forward):
+        try:
+            jaxpr = jax.make_jaxpr(derivative, axis_env=[(axis_name, axis_size)])
+            return set(_find(jaxpr(diff).jaxpr, axis_name))
+        except Exception:  # not differentiable in this mode: nothing to find
+            continue
+    return set()
+
+
+def _struct(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+
+def _inexact(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct) and bool(
+        jnp.issubdtype(x.dtype, jnp.inexact)
+    )
+
+
+def _depends_on_size(
+    trace: Callable[[int], Any], jaxpr: str, size: int, other: int
+) -> bool:
+    # Printed jaxprs are deterministic (function addresses are masked), unless the
+    # function itself changes between traces.
+    if str(trace(size)) != jaxpr:
+        return False  # comparing with another size would tell nothing
     try:
-        # Printed jaxprs are deterministic: function addresses are masked.
         return str(trace(other)) != jaxpr
     except Exception:  # any failure at another size depends on the size
         return True

@@ -2,8 +2,10 @@
 
 [`run_in_chunks`][] hands its loop to [`scan_chunks`][]. Evaluated, it is one
 `lax.scan` that slices each chunk out of the inputs (scan constants) and writes its
-outputs into full-size buffers (scan carries) in place, inside an optionally
-checkpointed body: peak memory is the outputs plus one chunk's working set.
+outputs into full-size buffers (scan carries) in place: peak memory is the outputs
+plus one chunk's working set. The evaluated loop holds no `jax.checkpoint`, which
+only matters to differentiation (and which `checkify` cannot transform): the JVP
+rule below is where each step is checkpointed.
 
 Differentiating that loop as written is correct but slow. Reverse mode transposes
 the input slices into updates of a full-size cotangent carry and the in-place writes
@@ -109,18 +111,32 @@ class _Loop(eqx.Module):
         return jnp.concatenate([stack, last[None]])
 
     def merge(self, stack: Array, axis: int) -> Array:
-        """Inverse of `split` for outputs: the overlapping rows of the last step are
-        dropped, and rows that no step writes (a separate remainder) are zero."""
+        """Inverse of `split` for output tangents; rows that no step writes (a
+        separate remainder) are zero.
+
+        A row that two steps compute (the overlap of the last step) is the mean
+        of its two copies. Both are the same computation on the same values, so
+        the tangent is unchanged (`0.5 * t + 0.5 * t == t`), and the transpose
+        gives each copy half the cotangent. Keeping one copy instead would give
+        the other a zero cotangent, and `0 * inf` turns an infinite derivative
+        (`jnp.sqrt` at zero) into `nan` where `jax.vmap` gives `inf`.
+        """
         whole = jnp.moveaxis(stack[: self.num_whole], 0, axis)
         shape = whole.shape[:axis] + (-1,) + whole.shape[axis + 2 :]
-        parts = [whole.reshape(shape)]
+        rows = whole.reshape(shape)
         covered = self.num_whole * self.chunk_size
+        parts = [rows]
         if self.num_steps > self.num_whole:
-            keep = self.batch_size - covered
-            parts.append(lax.slice_in_dim(stack[-1], -keep, None, axis=axis))
+            first = self.batch_size - self.chunk_size  # where the last step starts
+            last = stack[-1]
+            overlap = covered - first
+            mean = 0.5 * lax.slice_in_dim(rows, first, None, axis=axis)
+            mean = mean + 0.5 * lax.slice_in_dim(last, 0, overlap, axis=axis)
+            parts = [lax.slice_in_dim(rows, 0, first, axis=axis), mean]
+            parts.append(lax.slice_in_dim(last, overlap, None, axis=axis))
             covered = self.batch_size
         if covered < self.batch_size:
-            rest = list(parts[0].shape)
+            rest = list(rows.shape)
             rest[axis] = self.batch_size - covered
             parts.append(jnp.zeros(rest, stack.dtype))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis)
@@ -129,8 +145,6 @@ class _Loop(eqx.Module):
 def _primal_step(
     fn: ArraysFn, inputs: PyTree[InputArray], start: Int[Array, ""], loop: _Loop
 ) -> tuple[list[Array], PyTree[Array]]:
-    # Slice inside the checkpointed region, so that reverse mode saves the (already
-    # live) inputs rather than a copy of every chunk.
     return _as_arrays(fn(loop.slice(inputs, start)))
 
 
@@ -166,7 +180,10 @@ def _run(
     *,
     loop: _Loop,
 ) -> tuple[list[Array], PyTree[Array]]:
-    step = checkpointed(_primal_step, loop.checkpoint)
+    # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
+    # goes through `_run_jvp`, which checkpoints), and a `checkpoint` in a program
+    # that is never differentiated only gets in other transformations' way
+    # (`checkify` cannot transform one in jax 0.10).
     last = loop.batch_size - loop.chunk_size
 
     def _body(carry: tuple[Any, Any, Any], _: None) -> tuple[Any, None]:
@@ -174,13 +191,15 @@ def _run(
         # from an array, compiles to one kernel fewer (benchmarks/).
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
-        _chunk, _unbatched = step(fn, inputs, start, loop)
+        _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
         _buffers = loop.write(_buffers, _chunk, start)
-        # Outside the checkpointed step: rematerialisation does not report again.
+        # Outside any checkpointed step: rematerialisation does not report again.
         report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
         return (_buffers, _unbatched, index + 1), None
 
-    init = (buffers, unbatched, jnp.zeros((), jnp.int32))
+    # The default integer type, as in `loop.starts()`: `checkify` compares the
+    # index with shapes of that type, which strict dtype promotion requires.
+    init = (buffers, unbatched, jnp.zeros((), int))
     (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
     return buffers, unbatched
 
@@ -201,32 +220,55 @@ def _run_jvp(
     )
     step = checkpointed(_jvp_step, loop.checkpoint)
 
-    def _body(carry: tuple[Any, ...], xs: tuple[Any, Any]) -> tuple[Any, Any]:
-        _buffers, _, _ = carry
+    def _body(carry: tuple[Any, Any], xs: tuple[Any, Any]) -> tuple[Any, Any]:
+        _buffers, _ = carry
         start, _t_chunk = xs
-        (_chunk, _unbatched), (_t_out, _t_unbatched) = step(
+        (_chunk, _unbatched), (_t_out, _) = step(
             fn, t_fn, inputs, start, _t_chunk, loop
         )
-        carry = (loop.write(_buffers, _chunk, start), _unbatched, _t_unbatched)
+        carry = (loop.write(_buffers, _chunk, start), _unbatched)
         # Its operands are primal values: reverse mode reports in the forward pass.
-        report_step(loop.reporter, start, loop.chunk_size, carry[:2])
+        report_step(loop.reporter, start, loop.chunk_size, carry)
         return carry, _t_out
 
-    t_unbatched = jtu.tree_map(
-        lambda u: jnp.zeros_like(u) if _inexact(u) else None, unbatched
-    )
-    (buffers, unbatched, t_unbatched), t_stacks = lax.scan(
-        _body, (buffers, unbatched, t_unbatched), (loop.starts(), t_chunks)
+    (buffers, unbatched), t_stacks = lax.scan(
+        _body, (buffers, unbatched), (loop.starts(), t_chunks)
     )
     t_buffers = [
         None if t is None else loop.merge(t, axis)
         for t, axis in zip(t_stacks, loop.axes, strict=True)
     ]
+    t_unbatched = _unbatched_tangents(step, fn, t_fn, inputs, t_chunks, unbatched, loop)
     return (buffers, unbatched), (t_buffers, t_unbatched)
 
 
+def _unbatched_tangents(
+    step: Callable[..., Any],
+    fn: ArraysFn,
+    t_fn: Any,
+    inputs: PyTree[Array],
+    t_chunks: PyTree[Array | None],
+    unbatched: PyTree[Array],
+    loop: _Loop,
+) -> PyTree[Array | None]:
+    """The tangents of the unbatched outputs, from the first step alone.
+
+    Every step computes the same unbatched outputs, and the loop returns the last
+    step's. Taking their tangents from the loop would give every other step a
+    zero cotangent in reverse mode, and `0 * inf = nan` (an infinite derivative
+    w.r.t. a parameter). So they come from one more evaluation of the first step
+    (only of what the unbatched outputs need, under `jit`), whose transpose is the
+    only one to see their cotangent.
+    """
+    if not any(_inexact(u) for u in jtu.tree_leaves(unbatched)):
+        return jtu.tree_map(lambda _: None, unbatched)
+    t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
+    _, (_, t_unbatched) = step(fn, t_fn, inputs, jnp.array(0), t_first, loop)
+    return t_unbatched
+
+
 def scan_chunks(
-    arrays: ArraysFn,
+    fn: ArraysFn,
     inputs: PyTree[InputArray],
     in_axes: PyTree[int],
     buffers: list[Array],
@@ -240,13 +282,15 @@ def scan_chunks(
     write: WriteFn,
     reporter: Reporter | None = None,
 ) -> tuple[list[Array], PyTree[Array]]:
-    """Runs `arrays` on each step's chunk of `inputs`, writing its batched outputs
+    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` (at `axes`) with `write`; returns the buffers and the last
-    step's unbatched outputs."""
+    step's unbatched outputs.
+
+    `fn` holds the arrays it closes over as its PyTree leaves (made by
+    `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
+    rule and get tangents.
+    """
     loop = _Loop(
         in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write, reporter
     )
-    # Example chunks (dead code under `jit`) carry the inputs' full types: dtype,
-    # weak type, sharding, varying manual axes.
-    fn = eqx.filter_closure_convert(arrays, loop.slice(inputs, jnp.array(0)))
     return _run(fn, inputs, buffers, unbatched, loop=loop)

@@ -197,11 +197,19 @@ def check_collectives(
     in_axes: PyTree[int | None],
     axis_name: Hashable | None,
     sharding: BatchSharding,
+    batch_size: int,
     api: str,
-) -> None:
-    """Refuses collectives over `axis_name`: each device would see its shard only."""
+    *,
+    one_chunk: bool,
+) -> bool:
+    """Whether `fun` uses collectives over `axis_name`, which a device evaluating
+    its own shard would compute over that shard only.
+
+    Allowed (`True`) only when the whole batch is `one_chunk`, for one `vmap` of
+    the whole batch; refused otherwise.
+    """
     if axis_name is None:
-        return
+        return False
 
     def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
         shape = list(np.shape(x))
@@ -210,15 +218,19 @@ def check_collectives(
 
     structs = jtu.tree_map(_element_struct, in_axes, mapped)
     arrays = lambda m: eqx.filter(element(m)[:2], is_array)
-    found = collectives_over(arrays, structs, axis_name, sharding.num_devices)
-    if found:
+    local_size = max(1, batch_size // sharding.num_devices)
+    found = collectives_over(arrays, structs, axis_name, batch_size, local_size)
+    if found and not one_chunk:
         raise ValueError(
             f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
             f"collective(s) {', '.join(f'`{c}`' for c in found)} over {axis_name!r}, "
             f"but the batch is split over the mesh axes {sharding.axis_names!r}, so "
-            "each device would only see its own shard. Move the collective out of "
+            "each device would only see its own shard when chunking it. Use "
+            f"`chunk_size=None` (or at least the batch size, {batch_size}) to "
+            "evaluate the whole batch in one `vmap`, or move the collective out of "
             "the mapped function (for example, reduce the mapped output afterwards)."
         )
+    return bool(found)
 
 
 def run_sharded(

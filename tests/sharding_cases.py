@@ -99,10 +99,10 @@ def test_chunk_size_counts_elements_per_device(remainder):
     with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(chunked)(x))
     # 5 elements per device: 3 steps with an overlapping last chunk, or 2 steps
-    # and a remainder of 1.
+    # and a remainder of 1 (a loop of one step).
     assert "shard_map" in jaxpr
     lengths = re.findall(r"length=(\d+)", jaxpr)
-    assert lengths == (["3"] if remainder == "overlap" else ["2"])
+    assert lengths == (["3"] if remainder == "overlap" else ["2", "1"])
 
 
 def test_explicit_mode_is_detected_under_jit(getkey):
@@ -343,10 +343,36 @@ def test_spmd_axis_name_without_a_mesh_raises():
         jax.jit(chunked)(np.ones((8, 2)))
 
 
-def test_collective_over_axis_name_raises():
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("chunk_size", (None, 16, 32))
+def test_collective_over_axis_name_with_one_chunk(axis_type, chunk_size, getkey):
+    # One chunk: one `vmap` of the whole batch, as `eqx.filter_vmap`, with the
+    # collective across devices.
+    mesh = mesh_1d(axis_type)
+    x = put(jr.normal(getkey(), (16, 2)), mesh, "batch")
+    index = lambda: jax.lax.axis_index("i").astype(jnp.float64)
+    normalise = lambda x: x / jax.lax.psum(x, "i") + index()
+    oracle = eqx.filter_vmap(normalise, axis_name="i")
+    chunked = fc.filter_chunked_vmap(normalise, axis_name="i", chunk_size=chunk_size)
+    grad = lambda m: jax.grad(lambda x: jnp.sum(jnp.sin(m(x))))(x)
+    with jax.set_mesh(mesh):
+        expected = oracle(x)
+        assert tree_allclose(chunked(x), expected)
+        assert tree_allclose(grad(chunked), grad(oracle))
+        try:  # jax 0.10 cannot lower this `vmap` under `jit` in explicit mode
+            jitted = eqx.filter_jit(oracle)(x)
+        except ValueError as e:
+            with pytest.raises(type(e)):
+                jax.jit(chunked)(x)
+        else:
+            assert tree_allclose(jax.jit(chunked)(x), jitted)
+
+
+@pytest.mark.parametrize("chunk_size", (1, 2, 8))
+def test_collective_over_axis_name_raises_when_chunked(chunk_size):
     x = put(jnp.ones((16,)), mesh_1d(EXPLICIT), "batch")
     normalise = lambda x: x / jax.lax.psum(x, "i")
-    chunked = fc.filter_chunked_vmap(normalise, axis_name="i")
+    chunked = fc.filter_chunked_vmap(normalise, axis_name="i", chunk_size=chunk_size)
     with pytest.raises(ValueError, match="each device would only see its own"):
         chunked(x)
 
@@ -390,3 +416,24 @@ def test_progress_on_a_two_dimensional_mesh(axis_type, getkey):
     check_one_call(meter, "filter_chunked_vmap", 2000, calls=2)
     expected = [*range(8, 2000, 24), 2000]
     assert meter.counts() == expected * 2
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("chunk_size", (2, None))
+def test_traces_of_fun(remainder, chunk_size):
+    # One trace for the outputs' shapes, then the per-device loop's (two chunk
+    # sizes with a separate remainder: 5 elements per device in chunks of 2).
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jnp.ones((40, 2)), mesh, "batch")
+    traces = []
+
+    def f(e):
+        traces.append(None)
+        return jnp.sin(e)
+
+    kwargs: dict[str, Any] = dict(chunk_size=chunk_size, remainder=remainder)
+    with jax.set_mesh(mesh):
+        out = jax.jit(fc.filter_chunked_vmap(f, **kwargs))(x)
+    assert tree_allclose(out, eqx.filter_vmap(jnp.sin)(x))
+    separate = remainder == "separate" and chunk_size is not None
+    assert len(traces) == (3 if separate else 2)

@@ -1,10 +1,13 @@
 """Collectives over `axis_name`: exact with one chunk, refused across chunks."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -82,3 +85,129 @@ def test_collective_over_an_outer_axis(getkey):
     assert tree_allclose(outer(x), expected)
     with pytest.raises(ValueError, match=r"collective\(s\) `psum` over 'j'"):
         fc.filter_chunked_vmap(chunked, axis_name="j", chunk_size=2)(x)
+
+
+@jax.custom_vjp
+def _sync_vjp(x):
+    return x
+
+
+_sync_vjp.defvjp(lambda x: (x, None), lambda _, g: (lax.psum(g, "i"),))
+
+
+@jax.custom_jvp
+def _sync_jvp(x):
+    return x
+
+
+@_sync_jvp.defjvp
+def _sync_jvp_rule(primals, tangents):
+    return primals[0], lax.psum(tangents[0], "i")
+
+
+_CUSTOM_RULES = {"custom_vjp": _sync_vjp, "custom_jvp": _sync_jvp}
+_REFUSED = (
+    r"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
+    r"collective\(s\) `psum` over 'i', but the batch of 10 is split into 4 chunks "
+    r"of `chunk_size=3`"
+)
+
+
+@pytest.mark.parametrize("rule", _CUSTOM_RULES)
+@pytest.mark.parametrize("jit", (False, True))
+def test_collective_in_a_custom_derivative_rule_is_refused(rule, jit):
+    # The issue's example: only the derivative holds the collective.
+    f = _CUSTOM_RULES[rule]
+    xs = jnp.linspace(0.5, 2.0, 10)
+    grad = jax.grad(
+        lambda x: fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)(x).sum()
+    )
+    with pytest.raises(ValueError, match=_REFUSED):
+        (jax.jit(grad) if jit else grad)(xs)
+    oracle = jax.grad(lambda x: eqx.filter_vmap(f, axis_name="i")(x).sum())
+    one_chunk = jax.grad(
+        lambda x: fc.filter_chunked_vmap(f, axis_name="i", chunk_size=10)(x).sum()
+    )
+    assert tree_allclose(one_chunk(xs), oracle(xs))
+
+
+@pytest.mark.parametrize("rule", _CUSTOM_RULES)
+@pytest.mark.parametrize("closed_over", (False, True))
+def test_collective_in_a_parameter_only_rule_is_refused(rule, closed_over):
+    # The rule applies to an unmapped parameter, argument or closed over.
+    f = _CUSTOM_RULES[rule]
+    xs, w = jnp.linspace(0.5, 2.0, 10), jnp.array(1.5)
+    if closed_over:
+        chunked = lambda w: fc.filter_chunked_vmap(
+            lambda x: f(w) * x, axis_name="i", chunk_size=3
+        )(xs)
+    else:
+        chunked = lambda w: fc.filter_chunked_vmap(
+            lambda w, x: f(w) * x, in_axes=(None, 0), axis_name="i", chunk_size=3
+        )(w, xs)
+    with pytest.raises(ValueError, match=_REFUSED):
+        jax.grad(lambda w: chunked(w).sum())(w)
+
+
+@pytest.mark.parametrize("jit", (False, True))
+def test_no_false_positive_without_collectives(jit, getkey):
+    # Derivatives of plain functions (and of a custom rule without collectives)
+    # hold no collective; a non-differentiable function is no error either.
+    x, w = jr.normal(getkey(), (10,)), jnp.array(0.7)
+    plain = lambda w, x: jnp.sin(w * x) * jax.nn.relu(x)
+    custom = lambda w, x: jax.nn.softplus(w * x) + jnp.linalg.norm(x * w)
+    for f in (plain, custom):
+        kwargs: dict[str, Any] = dict(in_axes=(None, 0), axis_name="i")
+        chunked = fc.filter_chunked_vmap(f, chunk_size=3, **kwargs)
+        loss = lambda m: lambda w: jnp.sum(m(w, x) ** 2)
+        grad = jax.grad(loss(chunked))
+        expected = jax.grad(loss(eqx.filter_vmap(f, **kwargs)))(w)
+        assert tree_allclose((jax.jit(grad) if jit else grad)(w), expected)
+    count = lambda n: lax.while_loop(lambda i: i < n, lambda i: i + 1, 0)
+    n = jnp.arange(10)
+    expected = eqx.filter_vmap(count, axis_name="i")(n)
+    assert tree_allclose(
+        fc.filter_chunked_vmap(count, axis_name="i", chunk_size=3)(n), expected
+    )
+
+
+# Shapes that only work at the full axis size: the probe must find the collective
+# before tracing `fun` at any other size.
+_SIZED = {
+    "all_gather": (
+        lambda e: lax.all_gather(e, "i").reshape(20)[:2] + e,
+        (10, 2),
+        "all_gather",
+    ),
+    "all_to_all": (lambda e: lax.all_to_all(e, "i", 0, 0), (10, 10), "all_to_all"),
+    "psum_scatter": (lambda e: lax.psum_scatter(e, "i"), (10, 10), "reduce_scatter"),
+}
+
+
+@pytest.mark.parametrize("name", _SIZED)
+@pytest.mark.parametrize("jit", (False, True))
+def test_size_dependent_shapes_raise_the_documented_error(name, jit):
+    f, shape, primitive = _SIZED[name]
+    x = jnp.arange(float(np.prod(shape))).reshape(shape)
+    chunked = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)
+    match = (
+        rf"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
+        rf"collective\(s\) `{primitive}` over 'i', but the batch of 10 is split"
+    )
+    with pytest.raises(ValueError, match=match):
+        (jax.jit(chunked) if jit else chunked)(x)
+    expected = eqx.filter_vmap(f, axis_name="i")(x)
+    assert tree_allclose(fc.filter_chunked_vmap(f, axis_name="i")(x), expected)
+
+
+def test_numpy_random_numbers_at_trace_time_are_not_axis_size():
+    # Two traces at the same size already differ: that says nothing about the size.
+    rng = np.random.default_rng(0)
+    f = lambda e: e * rng.uniform(1.0, 2.0)
+    x = jnp.arange(1.0, 21.0).reshape(10, 2)
+    out = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)(x)
+    # One trace-time number for the whole batch, as `eqx.filter_vmap` draws.
+    scale = out[0, 0] / x[0, 0]
+    assert tree_allclose(out, x * scale)
+    expected = eqx.filter_vmap(f, axis_name="i")(x)
+    assert tree_allclose(out.shape, expected.shape)

@@ -198,14 +198,17 @@ def test_reverse_loop_carries_no_batch_sized_array(remainder, getkey):
     chunked, _ = _maps(chunk_size, remainder)
     cotangent = _cotangent(getkey, _maps(chunk_size)[1](params, x))
     grad = jax.grad(_loss(chunked, cotangent), argnums=(0, 1))
-    (scan,) = _reverse_scans(jax.make_jaxpr(grad)(params, x).jaxpr)
-    num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
-    carries = scan.invars[num_consts : num_consts + num_carry]
-    assert all(batch_size not in v.aval.shape for v in carries)
-    param_shapes = {p.shape for p in params}
-    assert {v.aval.shape for v in carries} >= param_shapes
-    stacked = [v.aval.shape[1:] for v in scan.outvars[num_carry:]]
-    assert not param_shapes & set(stacked)
+    scans = _reverse_scans(jax.make_jaxpr(grad)(params, x).jaxpr)
+    # One loop, and with `"separate"` one more (of one step) for the remainder.
+    assert len(scans) == (1 if remainder == "overlap" else 2)
+    for scan in scans:
+        num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
+        carries = scan.invars[num_consts : num_consts + num_carry]
+        assert all(batch_size not in v.aval.shape for v in carries)
+        param_shapes = {p.shape for p in params}
+        assert {v.aval.shape for v in carries} >= param_shapes
+        stacked = [v.aval.shape[1:] for v in scan.outvars[num_carry:]]
+        assert not param_shapes & set(stacked)
 
 
 def _temp_bytes(fn, *args) -> int:

@@ -1,5 +1,8 @@
 """The compiled schedule: one scan over the chunks, and how often `fun` is traced."""
 
+from typing import Any
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
@@ -47,9 +50,10 @@ def test_overlap_is_one_scan(batch_size, chunk_size):
     "batch_size,chunk_size", ((6, 3), (7, 3), (8, 3), (9, 2), (5, 4), (2, 1))
 )
 def test_separate_remainder_path(batch_size, chunk_size):
+    # The remainder is a loop of one step, with the same derivative rule.
     lengths, outside = _schedule(batch_size, chunk_size, "separate")
-    assert lengths == [batch_size // chunk_size]
-    assert outside == (1 if batch_size % chunk_size else 0)
+    assert lengths == [batch_size // chunk_size] + [1] * (batch_size % chunk_size > 0)
+    assert outside == 0
 
 
 @pytest.mark.parametrize("chunk_size", (None, 5, 8))
@@ -74,3 +78,60 @@ def test_traces_do_not_grow_with_batch_size(remainder):
         counts.append(len(traces))
     assert counts[0] == counts[1] == counts[2]
     assert counts[0] <= 3
+
+
+def _count(remainder, call, **kwargs):
+    """How often `fun` is traced by one call of a chunked map (`call(chunked)`)."""
+    traces = []
+
+    def f(x):
+        traces.append(None)
+        return jnp.sin(x)
+
+    chunked = fc.filter_chunked_vmap(f, chunk_size=3, remainder=remainder, **kwargs)
+    call(chunked)
+    return len(traces)
+
+
+_X = jnp.linspace(0.5, 2.0, 20).reshape(10, 2)
+_CALLS = {
+    "eager": lambda c: c(_X),
+    "jit": lambda c: jax.jit(c)(_X),
+    "grad": lambda c: jax.grad(lambda x: jnp.sum(c(x)))(_X),
+    "jvp": lambda c: jax.jvp(c, (_X,), (_X,)),
+    "vmap": lambda c: jax.vmap(c)(_X[None]),
+}
+
+
+@pytest.mark.parametrize("call", _CALLS)
+def test_overlap_traces_fun_once(call):
+    # `"overlap"`: once; `"separate"`: once more, at the remainder's size.
+    assert _count("overlap", _CALLS[call]) == 1
+    assert _count("separate", _CALLS[call]) == 2
+    f = eqx.debug.assert_max_traces(jnp.sin, max_traces=1)
+    _CALLS[call](fc.filter_chunked_vmap(f, chunk_size=3))
+
+
+def test_collective_check_traces():
+    # With `axis_name`, the collective check traces `fun` at the batch size twice
+    # and at the chunk size once, when it finds no collective.
+    assert _count("overlap", _CALLS["jit"], axis_name="i") == 1 + 3
+    assert _count("separate", _CALLS["jit"], axis_name="i") == 2 + 3
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_other_transforms_trace_fun_once_per_loop(remainder):
+    traces = []
+
+    def f(x):
+        traces.append(None)
+        return jnp.sin(x)
+
+    expected = 1 if remainder == "overlap" else 2
+    kwargs: dict[str, Any] = dict(chunk_size=3, remainder=remainder)
+    fc.filter_chunked_apply(f, **kwargs)(_X)
+    assert len(traces) == expected
+    traces.clear()
+    jacobian = fc.chunked_jacfwd(lambda x: jnp.sum(f(x)), **kwargs)(_X)
+    assert len(traces) == expected
+    assert jnp.allclose(jacobian, jnp.cos(_X))

@@ -41,7 +41,14 @@ def _environment(num_devices: int) -> dict[str, str]:
     flag = f"--xla_force_host_platform_device_count={num_devices}"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return _with_package(env)
+
+
+def _with_package(env: dict[str, str]) -> dict[str, str]:
+    """`env` importing the package under test, not whichever copy is installed (a
+    script's own folder, not the working directory, leads `sys.path`)."""
+    paths = [str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +95,11 @@ def test_two_processes():
     """The same code under `jax.distributed`, two CPU processes over loopback."""
     port = _free_port()
     worker = [sys.executable, str(HERE / "sharding_multihost.py")]
-    # The script's folder comes first on its path: make this checkout importable.
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     processes = [
         subprocess.Popen(
             [*worker, str(i), str(port)],
             cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": path},
+            env=_with_package(dict(os.environ)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

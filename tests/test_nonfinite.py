@@ -1,0 +1,178 @@
+"""Infinite and `nan` derivatives through chunked maps equal `jax.vmap`'s: the rows
+that the overlapping last chunk recomputes, and the unbatched outputs that every
+chunk recomputes, must not turn `inf` into `nan` (`0 * inf`) in reverse mode."""
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import jax.tree_util as jtu
+import pytest
+
+import filtered_chunk as fc
+
+from .helpers import tree_allclose
+
+
+# (batch size, chunk size): overlapping rows at 6-7, 4-5 and 7 with "overlap".
+SIZES = ((10, 4), (7, 3), (9, 2))
+REMAINDERS = ("overlap", "separate")
+
+
+def _same(actual: Any, expected: Any) -> bool:
+    """Same `nan`s, same infinities (with sign), close finite values."""
+
+    def _finite(x: Any) -> Any:
+        return jnp.where(jnp.isfinite(x), x, 0)
+
+    def _masks(x: Any) -> Any:
+        return jnp.isnan(x), jnp.isposinf(x), jnp.isneginf(x)
+
+    masks = jtu.tree_map(_masks, (actual, expected))
+    same_masks = jtu.tree_map(lambda a, b: bool(jnp.all(a == b)), *masks)
+    finite = jtu.tree_map(_finite, (actual, expected))
+    return all(jtu.tree_leaves(same_masks)) and tree_allclose(*finite)
+
+
+def _inputs(batch_size: int) -> Any:
+    """Zeros at positions 0, 3, 4, 7, 8: in and out of every overlap of `SIZES`."""
+    x = jnp.linspace(0.5, 2.0, batch_size)
+    return jnp.where(jnp.arange(batch_size) % 4 % 3 == 0, 0.0, x)
+
+
+def _vmaps(f: Callable, chunk_size: int, remainder: Any, **kwargs: Any) -> Any:
+    chunked = fc.filter_chunked_vmap(
+        f, chunk_size=chunk_size, remainder=remainder, **kwargs
+    )
+    return chunked, eqx.filter_vmap(f, **kwargs)
+
+
+def _jit(transform: Callable[..., Any]) -> Callable[..., Any]:
+    """`transform` under `jit` for the chunked map (one compilation is faster than
+    dispatching every operation); the oracle runs op by op, since XLA turns the
+    products `0 * inf` of a Jacobian's unit vectors into zeros only sometimes."""
+
+    def _transform(m: Any, *args: Any) -> Any:
+        if isinstance(m, eqx.Module) and hasattr(m, "_chunk_size"):
+            return jax.jit(ft.partial(transform, m))(*args)
+        return transform(m, *args)
+
+    return _transform
+
+
+def _cases(transforms: Any, everywhere: tuple[str, ...]) -> list[Any]:
+    """Each transform at the first size, and those in `everywhere` at all sizes."""
+    return [
+        (t, sizes)
+        for t in transforms
+        for sizes in (SIZES if t in everywhere else SIZES[:1])
+    ]
+
+
+_TRANSFORMS: dict[str, Callable[..., Any]] = {
+    "grad": lambda m, x: jax.grad(lambda x: jnp.sum(m(x)))(x),
+    "vjp": lambda m, x: jax.vjp(m, x)[1](jnp.linspace(0.5, 1.5, x.shape[0]))[0],
+    "jacrev": lambda m, x: jax.jacrev(m)(x),
+    "hessian": lambda m, x: jax.hessian(lambda x: jnp.sum(m(x)))(x),
+    "chunked_jacrev": lambda m, x: fc.chunked_jacrev(m, chunk_size=3)(x),
+}
+_TRANSFORMS = {name: _jit(t) for name, t in _TRANSFORMS.items()}
+
+
+@pytest.mark.parametrize("transform, sizes", _cases(_TRANSFORMS, ("grad", "vjp")))
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_infinite_input_derivative(transform, remainder, sizes):
+    batch_size, chunk_size = sizes
+    x = _inputs(batch_size)
+    chunked, oracle = _vmaps(jnp.sqrt, chunk_size, remainder)
+    # `jax.jacrev` is the oracle of `chunked_jacrev` (XLA simplifies `0 * inf`
+    # from its unit vectors when `fun` is not a loop).
+    of_oracle = "jacrev" if transform == "chunked_jacrev" else transform
+    expected = _TRANSFORMS[of_oracle](oracle, x)
+    assert jnp.any(jnp.isinf(expected))
+    assert _same(_TRANSFORMS[transform](chunked, x), expected)
+
+
+@pytest.mark.parametrize("jit", (False, True))
+def test_issue_example(jit):
+    x = jnp.linspace(0.5, 2.0, 10).at[6].set(0.0)
+    loss = lambda m: lambda x: m(jnp.sqrt)(x).sum()
+    grad = jax.grad(loss(lambda f: fc.filter_chunked_vmap(f, chunk_size=4)))
+    grad = jax.jit(grad) if jit else grad
+    assert jnp.isposinf(grad(x)[6])
+    assert _same(grad(x), jax.grad(loss(eqx.filter_vmap))(x))
+
+
+_PARAM_TRANSFORMS: dict[str, Callable[..., Any]] = {
+    "grad": lambda m, w, x: jax.grad(lambda w: jnp.sum(m(w, x)))(w),
+    "jacrev": lambda m, w, x: jax.jacrev(m)(w, x),
+    "hessian": lambda m, w, x: jax.hessian(lambda w: jnp.sum(m(w, x)))(w),
+    "chunked_jacrev": lambda m, w, x: fc.chunked_jacrev(m, chunk_size=3)(w, x),
+}
+_PARAM_TRANSFORMS = {name: _jit(t) for name, t in _PARAM_TRANSFORMS.items()}
+
+
+@pytest.mark.parametrize("transform, sizes", _cases(_PARAM_TRANSFORMS, ("grad",)))
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_infinite_parameter_derivative(transform, remainder, sizes):
+    batch_size, chunk_size = sizes
+    x, w = _inputs(batch_size), jnp.array(0.0)
+    f = lambda w, x: jnp.sqrt(x + w)
+    chunked, oracle = _vmaps(f, chunk_size, remainder, in_axes=(None, 0))
+    of_oracle = "jacrev" if transform == "chunked_jacrev" else transform
+    expected = _PARAM_TRANSFORMS[of_oracle](oracle, w, x)
+    assert not jnp.all(jnp.isfinite(expected))
+    assert _same(_PARAM_TRANSFORMS[transform](chunked, w, x), expected)
+
+
+@pytest.mark.parametrize(
+    "transform, sizes",
+    [("grad", s) for s in SIZES + ((8, 4),)] + [("hessian", (10, 4))],
+)
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_infinite_derivative_of_unbatched_output(transform, remainder, sizes):
+    # Every chunk computes the unbatched output; only one may see its cotangent.
+    batch_size, chunk_size = sizes
+    x, w = jnp.linspace(0.5, 2.0, batch_size), jnp.array(0.0)
+    f = lambda w, x: (x * w, jnp.sqrt(w))
+    kwargs: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, None))
+    chunked, oracle = _vmaps(f, chunk_size, remainder, **kwargs)
+    loss = lambda m: lambda w: m(w, x)[1] + jnp.sum(m(w, x)[0])
+    take = jax.grad if transform == "grad" else jax.hessian
+    expected = jax.jit(take(loss(oracle)))(w)
+    assert jnp.isinf(expected)
+    assert _same(jax.jit(take(loss(chunked)))(w), expected)
+
+
+@pytest.mark.parametrize("transform, sizes", _cases(("vjp", "jacrev"), ("vjp",)))
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_nan_stays_where_vmap_has_it(transform, remainder, sizes, getkey):
+    batch_size, chunk_size = sizes
+    x = jr.normal(getkey(), (batch_size, 2))
+    x = jnp.where((jnp.arange(batch_size) % 4 % 3 == 0)[:, None], jnp.nan, x)
+    f = lambda x: jnp.sin(x) * x[0]
+    chunked, oracle = _vmaps(f, chunk_size, remainder)
+    take = _TRANSFORMS[transform]
+    if transform == "vjp":
+        take = _jit(lambda m, x: jax.vjp(m, x)[1](jnp.ones_like(x))[0])
+    expected = take(oracle, x)
+    assert jnp.any(jnp.isnan(expected)) and not jnp.all(jnp.isnan(expected))
+    assert _same(take(chunked, x), expected)
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("sizes", SIZES)
+def test_forward_tangents_unchanged(remainder, sizes, getkey):
+    # The overlapping rows' tangents are the mean of two equal copies: exact.
+    batch_size, chunk_size = sizes
+    x = _inputs(batch_size)
+    t = jr.normal(getkey(), (batch_size,))
+    chunked, oracle = _vmaps(lambda x: jnp.sqrt(x) * jnp.sin(x), chunk_size, remainder)
+    actual, expected = jax.jvp(chunked, (x,), (t,)), jax.jvp(oracle, (x,), (t,))
+    assert _same(actual, expected)
+    finite = jnp.isfinite(expected[1])
+    assert bool(jnp.all(actual[1][finite] == expected[1][finite]))
