@@ -35,7 +35,7 @@ from jaxtyping import Array, Int, PyTree
 
 from ._budget import MemoryBudget, normalise_chunk_size
 from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
-from ._derivatives import scan_chunks
+from ._derivatives import scan_chunks, slice_rest
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
 
@@ -238,7 +238,9 @@ def run_in_chunks(
         # The remainder is a loop of one step on its own slice of the batch, so
         # that it gets the same derivative rule as the loop over whole chunks.
         start = batch_size - leftover
-        rest = slice_inputs(inputs, in_axes, start, leftover)
+        rest = jtu.tree_map(
+            lambda axis, x: slice_rest(x, start, leftover, axis), in_axes, inputs
+        )
         fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
         rest_buffers = [
             _grow(s, a, leftover)

@@ -24,6 +24,7 @@ stacked per chunk. To be a custom rule's argument, those arrays are hoisted out 
 the chunk function with `eqx.filter_closure_convert`.
 """
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,9 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+
+# The only way to give an array a weak type (a tangent's, as JAX would).
+from jax._src.lax.lax import _convert_element_type
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec, InputArray
@@ -213,7 +217,7 @@ def _run_jvp(
     # The buffers start as zeros made by `run_in_chunks`: never perturbed.
     assert all(t is None for t in t_buffers)
     t_chunks = jtu.tree_map(
-        lambda axis, t: None if t is None else loop.split(t, axis),
+        lambda axis, t: None if t is None else loop.split(_strong(t), axis),
         loop.in_axes,
         t_inputs,
         is_leaf=_is_none,
@@ -235,11 +239,57 @@ def _run_jvp(
         _body, (buffers, unbatched), (loop.starts(), t_chunks)
     )
     t_buffers = [
-        None if t is None else loop.merge(t, axis)
-        for t, axis in zip(t_stacks, loop.axes, strict=True)
+        None if t is None else _typed_like(loop.merge(t, axis), b)
+        for t, b, axis in zip(t_stacks, buffers, loop.axes, strict=True)
     ]
     t_unbatched = _unbatched_tangents(step, fn, t_fn, inputs, t_chunks, unbatched, loop)
+    t_unbatched = jtu.tree_map(
+        lambda t, u: None if t is None else _typed_like(t, u),
+        t_unbatched,
+        unbatched,
+        is_leaf=_is_none,
+    )
     return (buffers, unbatched), (t_buffers, t_unbatched)
+
+
+def _strong(t: Array) -> Array:
+    """`t` with a strong type. Transposing `_Loop.split` (slices) gives a strongly
+    typed cotangent; converting first makes the transpose convert it back, so that
+    a gradient w.r.t. a weakly typed input is weak, as under `jax.vmap`."""
+    if not jax.typeof(t).weak_type:
+        return t
+    return lax.convert_element_type(t, jax.typeof(t).dtype)
+
+
+@ft.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
+def _slice_rest(x: Array, start: int, size: int, axis: int) -> Array:
+    return lax.slice_in_dim(x, start, start + size, axis=axis)
+
+
+@_slice_rest.defjvp
+def _slice_rest_jvp(
+    start: int, size: int, axis: int, primals: tuple[Array], tangents: tuple[Array]
+) -> tuple[Array, Array]:
+    (x,), (t,) = primals, tangents
+    return _slice_rest(x, start, size, axis), _slice_rest(_strong(t), start, size, axis)
+
+
+def slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
+    """`size` elements of `x` from `start` along `axis`, whose cotangent keeps a
+    weak type (see `_strong`): the remainder that `remainder="separate"` slices
+    off before its own loop."""
+    if isinstance(x, jax.Array) and jax.typeof(x).weak_type and _inexact(x):
+        return _slice_rest(x, start, size, axis)
+    return lax.slice_in_dim(x, start, start + size, axis=axis)
+
+
+def _typed_like(t: Array, primal: Array) -> Array:
+    """`t` with the weak type of `primal`, as JAX gives a tangent."""
+    if jax.typeof(t).weak_type == jax.typeof(primal).weak_type:
+        return t
+    dtype = jax.typeof(t).dtype
+    out = _convert_element_type(t, dtype, weak_type=jax.typeof(primal).weak_type)
+    return out  # pyright: ignore[reportReturnType]
 
 
 def _unbatched_tangents(

@@ -254,3 +254,28 @@ def test_checkpoint_policy_saves_chosen_residuals(getkey):
     assert tree_allclose(grads[0], grads[1]) and tree_allclose(grads[0], grads[2])
     remat, save_all, policy = temps
     assert remat < policy < save_all
+
+
+@pytest.mark.parametrize("batch_size", (CHUNK + 1, 2 * CHUNK + 1, 2 * CHUNK))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_derivatives_keep_weak_types(batch_size, remainder):
+    x = jax.lax.broadcast(jnp.asarray(1.5), (batch_size,))
+    assert jax.typeof(x).weak_type
+    f = lambda v: (jnp.sin(v), 3.0 * v)
+    chunked = fc.filter_chunked_vmap(f, chunk_size=CHUNK, remainder=remainder)
+    oracle = eqx.filter_vmap(f)
+
+    def loss(g, v):
+        a, b = g(v)
+        return jnp.sum(a) + jnp.sum(b)
+
+    grads = (
+        jax.grad(loss, argnums=1)(chunked, x),
+        jax.grad(loss, argnums=1)(oracle, x),
+    )
+    tangents = (jax.jvp(chunked, (x,), (x,))[1], jax.jvp(oracle, (x,), (x,))[1])
+    for actual, expected in (grads, tangents):
+        assert tree_allclose(actual, expected)
+        weak = lambda t: jtu.tree_map(lambda a: jax.typeof(a).weak_type, t)
+        assert weak(actual) == weak(expected)
+    assert jax.typeof(grads[1]).weak_type
