@@ -258,6 +258,19 @@ class _ChunkedApplyWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    def _bind(self, args: Any, kwargs: Any) -> tuple[Any, Any, int | None]:
+        """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
+        signature; each leaf's resolved axis; the batch size (`None` if nothing
+        is mapped)."""
+        args, kwargs, spec = bind_arguments(
+            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
+        )
+        tree = (args, kwargs)
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        return tree, in_axes, batch_size_of(tree, in_axes, None, _API)
+
     @property
     def _budget(self) -> MemoryBudget | None:
         return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
@@ -266,14 +279,7 @@ class _ChunkedApplyWrapper(eqx.Module):
         """The chunk size the budget allows for these arguments (`None` when
         there is no batch to split)."""
         assert self._budget is not None
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, None, _API)
+        tree, in_axes, batch_size = self._bind(args, kwargs)
         if not batch_size:
             return None
 
@@ -304,16 +310,9 @@ class _ChunkedApplyWrapper(eqx.Module):
         return self._dispatch(args, kwargs)
 
     def _dispatch(self, args: Any, kwargs: Any) -> Any:
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, None, _API)
+        tree, in_axes, batch_size = self._bind(args, kwargs)
         if batch_size is None:
-            return self._fun(*args, **kwargs)  # nothing to split
+            return self._fun(*tree[0], **tree[1])  # nothing to split
         if self._chunked(batch_size) and not is_traced((self, tree)):
             # An eager `lax.scan` recompiles on every call: see `_eager.py`.
             # The axes are resolved here, once, on the caller's leaves: inside,

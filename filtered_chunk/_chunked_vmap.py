@@ -119,6 +119,19 @@ class _ChunkedVmapWrapper(eqx.Module):
     def __wrapped__(self) -> Callable[..., Any]:
         return self._fun
 
+    def _bind(self, args: Any, kwargs: Any) -> tuple[Any, Any, int | None]:
+        """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
+        signature; each leaf's resolved axis; the batch size (`None` if nothing
+        is mapped)."""
+        args, kwargs, spec = bind_arguments(
+            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
+        )
+        tree = (args, kwargs)
+        in_axes = normalise_in_axes(
+            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
+        )
+        return tree, in_axes, batch_size_of(tree, in_axes, self._axis_size, _API)
+
     @property
     def _budget(self) -> MemoryBudget | None:
         return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
@@ -127,14 +140,7 @@ class _ChunkedVmapWrapper(eqx.Module):
         """The chunk size the budget allows for these arguments (`None` when
         there is no batch to split)."""
         assert self._budget is not None
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+        tree, in_axes, batch_size = self._bind(args, kwargs)
         sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
         if not batch_size:
             return None
@@ -170,14 +176,7 @@ class _ChunkedVmapWrapper(eqx.Module):
         return self._dispatch(args, kwargs)
 
     def _dispatch(self, args: Any, kwargs: Any) -> Any:
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        batch_size = batch_size_of(tree, in_axes, self._axis_size, _API)
+        tree, in_axes, batch_size = self._bind(args, kwargs)
         chunked = (
             batch_size is not None
             and isinstance(self._chunk_size, int)
