@@ -197,7 +197,8 @@ def _run(
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
         _buffers = loop.write(_buffers, _chunk, start)
-        # Outside any checkpointed step: rematerialisation does not report again.
+        # After the write: the report reads the written buffers, so it follows the
+        # step's work.
         report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
         return (_buffers, _unbatched, index + 1), None
 
