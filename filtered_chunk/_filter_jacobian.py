@@ -131,7 +131,7 @@ def filter_chunked_jacrev(
         runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
         (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
         `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
+        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
 
     **Returns:**
 
@@ -236,7 +236,7 @@ def filter_chunked_jacfwd(
         runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
         (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
         `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
+        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
 
     **Returns:**
 

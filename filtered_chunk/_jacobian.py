@@ -306,7 +306,7 @@ def chunked_jacrev(
         runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
         (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
         `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
+        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
 
     **Returns:**
 
@@ -429,7 +429,7 @@ def chunked_jacfwd(
         runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
         (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
         `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the guide on progress.
+        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
 
     **Returns:**
 
