@@ -169,13 +169,14 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     env["PATH"] = os.pathsep.join(
         [str(pathlib.Path(sys.executable).parent), env["PATH"]]
     )
-    subprocess.run(
+    built = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
         cwd=ROOT,
         env=env,
-        check=True,
         capture_output=True,
+        text=True,
     )
+    assert built.returncode == 0, built.stderr
     return out
 
 
