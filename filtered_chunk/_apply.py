@@ -2,7 +2,6 @@
 
 import dataclasses
 import functools as ft
-import re
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -45,6 +44,7 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._eager import call_compiled, is_traced
+from ._jax_compat import batched_none_output
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
 
@@ -232,10 +232,10 @@ def _check_unbatched(
     try:
         jax.eval_shape(jax.vmap(_unbatched, out_axes=None), structs)
     except ValueError as e:
-        if raised_by_fun(e) or "but output was batched" not in str(e):
+        path = batched_none_output(e)
+        if raised_by_fun(e) or path is None:
             raise
-        match = re.search(r"out_axes\[(\d+)\]", str(e))
-        index = int(match.group(1)) if match else len(paths)
+        index = path[0] if len(path) == 1 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it depends "

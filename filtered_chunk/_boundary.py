@@ -14,22 +14,16 @@ no frame of this library, as under `equinox.filter_vmap`.
 
 import functools as ft
 import inspect
-import os
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jax._src import traceback_util
+from ._jax_compat import api_boundary as api_boundary, exclude_from_tracebacks
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-traceback_util.register_exclusion(os.path.dirname(__file__))
-
-
-def api_boundary(fun: _F) -> _F:
-    """JAX filters the tracebacks of exceptions raised below a call of `fun`."""
-    return traceback_util.api_boundary(fun)
+exclude_from_tracebacks(__file__)
 
 
 def _call_text(

@@ -23,11 +23,11 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src.interpreters import ad
 from jaxtyping import PyTree
 
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
 from ._eager import program_key
+from ._jax_compat import DIFFERENTIATING_TRACERS
 
 
 # A search compiles the whole batch, one element, then pairs of guesses.
@@ -61,7 +61,7 @@ def _differentiated(x: Any) -> bool:
     """Whether `x` is traced by `jax.grad`/`jax.vjp`/`jax.jvp` (maybe under other
     transformations): then the program that runs is the differentiated one."""
     while isinstance(x, jax.core.Tracer):
-        if isinstance(x, ad.JVPTracer | getattr(ad, "LinearizeTracer", ad.JVPTracer)):
+        if isinstance(x, DIFFERENTIATING_TRACERS):
             return bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))
         x = getattr(x, "val", None)
     return False

@@ -1,6 +1,5 @@
 import dataclasses
 import functools as ft
-import re
 from collections.abc import Callable, Hashable
 from typing import Any, overload
 
@@ -44,6 +43,7 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._eager import call_compiled, is_traced
+from ._jax_compat import batched_none_output
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
 from ._sharding import (
@@ -354,10 +354,10 @@ def _chunk_fn(
     try:
         unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
-        if raised_by_fun(e) or "but output was batched" not in str(e):
+        path = batched_none_output(e)
+        if raised_by_fun(e) or path is None:
             raise
-        match = re.search(r"out_axes\[0\]\[(\d+)\]", str(e))
-        index = int(match.group(1)) if match else len(paths)
+        index = path[1] if len(path) == 2 and path[0] == 0 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
