@@ -1,17 +1,23 @@
 """Choosing the chunk size for a memory budget, by compiling the call.
 
 What a chunked call allocates beyond its arguments (XLA's temporary plus output
-bytes of the compiled program) is close to affine in the chunk size: the outputs
-are allocated at full batch size, and one chunk's working set grows linearly with
-it. So the chunk size is searched by compiling the call on abstract shapes
-(`jax.jit(...).lower(...).compile().memory_analysis()`), never by running it: the
-whole batch first (if it fits, nothing is chunked), then one element per chunk
-(if that does not fit, nothing does), then sizes in between guessed by secant
-interpolation of the measured bytes, each guess checked together with its
-neighbour (bisecting when the guesses keep missing on one side), so that the
-answer is a measured size that fits whose next size up measurably does not.
-Measurements and choices are cached on the traced program (as `_eager.py` keys
-compiled programs), so a repeated call compiles nothing for the search.
+bytes of the compiled program) is close to affine in the chunk size over a range
+of sizes whose schedule keeps its shape: the outputs are allocated at full batch
+size, and one chunk's working set grows linearly with it. Between such ranges it
+jumps: the whole batch is one `vmap`, and with `remainder="separate"` a size
+above half the batch runs one chunk and the remainder side by side (XLA unrolls
+a loop of one step). So the chunk size is searched by compiling the call on
+abstract shapes (`jax.jit(...).lower(...).compile().memory_analysis()`), never
+by running it, as the transformations around it run it (`_budget_program.py`):
+the whole batch first (if it fits, nothing is chunked), then one element per
+chunk (if that does not fit, nothing does), then each range from the largest
+down: its ends, and if only its smallest size fits, sizes in between guessed by
+secant interpolation, each guess checked together with its neighbour
+(bisecting when the guesses keep missing on one side). The answer is a measured
+size that fits whose next size up measurably does not, after at most
+`MAX_COMPILATIONS` sizes. Measurements and choices are cached on the traced
+program (as `_eager.py` keys compiled programs), so a repeated call compiles
+nothing for the search.
 """
 
 import dataclasses
