@@ -28,6 +28,7 @@ import filtered_chunk as fc
 import filtered_chunk._apply
 import filtered_chunk._chunked_vmap
 import filtered_chunk._jacobian
+from filtered_chunk._chunk_search import MAX_COMPILATIONS
 
 from .helpers import tree_allclose
 
@@ -52,15 +53,31 @@ def compiled_bytes(fn: Callable[..., Any], *args: Any) -> int:
     return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def vjp_program(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` and its pullback (of ones) w.r.t. its first argument: what runs when
-    `fn` is differentiated w.r.t. it."""
+def nbytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jtu.tree_leaves(tree))
 
-    def _program(p: Any, *rest: Any) -> Any:
-        out, pullback = jax.vjp(lambda _p: fn(_p, *rest), p)
-        return out, pullback(jtu.tree_map(jnp.ones_like, out))
 
-    return _program
+def derivative_bytes(fn: Callable[..., Any], p: Any, *rest: Any) -> int:
+    """What a budget counts for `fn` differentiated w.r.t. its first argument, as
+    `jax.grad`/`jax.linearize` run it: the larger of its pullback of a cotangent
+    and its linearisation applied to a tangent, plus the bytes of that cotangent
+    or tangent. Both are arguments of the compiled program, as a real loss's
+    cotangent is not a constant XLA could fold."""
+    out = jax.eval_shape(fn, p, *rest)
+    ct = jtu.tree_map(lambda o: np.zeros(o.shape, o.dtype), out)
+
+    def _pullback(_ct: Any, _p: Any, *_rest: Any) -> Any:
+        y, pullback = jax.vjp(lambda q: fn(q, *_rest), _p)
+        return y, pullback(_ct)
+
+    def _linearised(_t: Any, _p: Any, *_rest: Any) -> Any:
+        y, push = jax.linearize(lambda q: fn(q, *_rest), _p)
+        return y, push(_t)
+
+    return max(
+        compiled_bytes(_pullback, ct, p, *rest) + nbytes(ct),
+        compiled_bytes(_linearised, p, p, *rest) + nbytes(p),
+    )
 
 
 def next_size_up(batch_size: int, k: int, remainder: str) -> int | None:
@@ -175,8 +192,8 @@ def _check_workload(w: Any, fraction: float, choices: list[Any]) -> None:
             mapped = fc.filter_chunked_vmap(
                 w.element, in_axes=w.in_axes, out_axes=w.out_axes, chunk_size=k
             )
-            program = vjp_program(mapped) if w.objective == "grad" else mapped
-            _WORKLOAD_BYTES[w.key, k] = compiled_bytes(program, *args)
+            measure = derivative_bytes if w.objective == "grad" else compiled_bytes
+            _WORKLOAD_BYTES[w.key, k] = measure(mapped, *args)
         return _WORKLOAD_BYTES[w.key, k]
 
     budget = int(fraction * bytes_at(None))
@@ -397,7 +414,7 @@ def test_under_grad_the_differentiated_program_fits(choices, getkey):
     p, x = jr.normal(getkey(), (8, 128)), jr.normal(getkey(), (200, 8))
     f = lambda p, x: jnp.tanh(x @ p) @ p.T
     mapped = lambda k: fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=k)  # noqa: E731
-    bytes_at = lambda k: compiled_bytes(vjp_program(mapped(k)), p, x)  # noqa: E731
+    bytes_at = lambda k: derivative_bytes(mapped(k), p, x)  # noqa: E731
     budget = bytes_at(None) // 4
     chunked = mapped(fc.MemoryBudget(budget))
     loss = lambda _p, g: jnp.sum(g(_p, x) ** 2)
@@ -411,6 +428,165 @@ def test_under_grad_the_differentiated_program_fits(choices, getkey):
     assert tree_allclose(
         jax.jit(jax.grad(loss), static_argnums=1)(p, chunked), expected, rtol=1e-4
     )
+
+
+def _issue_fun(x: Any) -> Any:
+    # A `d x d` temporary per element, its output one row of it: non-linear.
+    return jnp.tanh(jnp.outer(x, x)) @ x
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_grad_of_a_nonlinear_loss_fits(remainder, choices):
+    # The cotangent of a real loss is not constant: the search must not let XLA
+    # fold it away, as it would an all-ones cotangent (issue 14, item 1).
+    xs = jr.normal(jr.key(0), (29, 48), jnp.float32)
+    g = fc.filter_chunked_vmap(
+        _issue_fun, chunk_size=fc.MemoryBudget(900_000), remainder=remainder
+    )
+    loss = lambda x: jnp.sum(g(x) ** 2)  # noqa: E731
+    assert compiled_bytes(jax.grad(loss), xs) <= 900_000
+    assert compiled_bytes(jax.value_and_grad(loss), xs) <= 900_000
+    assert choices[0].chunk_size < 29
+    expected = jax.grad(lambda x: jnp.sum(jax.vmap(_issue_fun)(x) ** 2))(xs)
+    assert tree_allclose(jax.jit(jax.grad(loss))(xs), expected, rtol=1e-4)
+
+
+def test_jvp_fits_or_the_budget_is_too_small():
+    # Forward mode allocates the primal and the tangent outputs (issue 14, item 2).
+    w = jnp.linspace(0, 1, 4096, dtype=jnp.float32)
+    h = lambda x: jnp.tanh(x * w)  # noqa: E731
+    xs = jnp.linspace(0, 1, 256, dtype=jnp.float32)
+    ts = jnp.linspace(-1, 1, 256, dtype=jnp.float32)
+
+    def jvp(budget: int) -> Callable[..., Any]:
+        g = fc.filter_chunked_vmap(h, chunk_size=fc.MemoryBudget(budget))
+        return lambda x, t: jax.jvp(g, (x,), (t,))
+
+    # The two outputs alone are 8 MiB: a budget of 4.3 MB cannot be met.
+    with pytest.raises(ValueError, match="is too small for this call"):
+        jax.jit(jvp(4_300_000))(xs, ts)
+    for budget in (8_500_000, 9_000_000):
+        assert compiled_bytes(jvp(budget), xs, ts) <= budget
+        expected = jax.jvp(jax.vmap(h), (xs,), (ts,))
+        assert tree_allclose(jax.jit(jvp(budget))(xs, ts), expected)
+
+
+@pytest.mark.parametrize("batch_size", (17, 30, 97))
+def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
+    # Above half the batch, one chunk and the remainder are live at once: the
+    # bytes jump and then fall, not affine in the size (issue 14, item 4).
+    xs = jr.normal(jr.key(1), (batch_size, 64))
+
+    def chunked(k: Any) -> Callable[..., Any]:
+        return fc.filter_chunked_vmap(_issue_fun, chunk_size=k, remainder="separate")
+
+    # Every size, or (larger batches) a sample of those above half of it.
+    exhaustive = batch_size < 20
+    step = 3 if batch_size < 50 else 6
+    sizes = (
+        range(1, batch_size + 1)
+        if exhaustive
+        else range(batch_size // 2, batch_size, step)
+    )
+    measured = {
+        k: compiled_bytes(chunked(k if k < batch_size else None), xs)
+        for k in {*sizes, batch_size // 2, batch_size - 1, batch_size}
+    }
+    budgets = [measured[batch_size] - 1, measured[batch_size // 2] + 1]
+    if exhaustive:
+        budgets.append((measured[1] + measured[batch_size // 2]) // 2)
+    for i, budget in enumerate(budgets):
+        with count_compiles() as compiles:
+            choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), xs)
+        # Later budgets reuse the measurements of earlier ones.
+        assert compiles.count <= len(choice.tried) <= MAX_COMPILATIONS
+        assert i or compiles.count == len(choice.tried)
+        largest = max(k for k, b in measured.items() if b <= budget)
+        assert choice.chunk_size == largest and choice.bytes == measured[largest]
+
+
+_ACTIVATIONS = (jnp.tanh, jnp.sin, jax.nn.softplus, jax.nn.silu)
+_TRANSFORMS = (
+    "grad",
+    "value_and_grad",
+    "vjp",
+    "jvp",
+    "linearize",
+    "jacrev",
+    "jacfwd",
+    "hessian",
+)
+
+
+def _random_element(activations: tuple[int, ...]) -> Callable[..., Any]:
+    a, b = (_ACTIVATIONS[i] for i in activations)
+
+    def _element(p: Any, x: Any) -> Any:
+        h = a(jnp.outer(x, x) @ p)  # a `width x width` temporary per element
+        return b(h @ x + p[0]) * jnp.mean(p)
+
+    return _element
+
+
+def _user_program(transform: str, g: Callable[..., Any]) -> Callable[..., Any]:
+    """The user's call of `transform` through the chunked map `g(p, xs)`; `v` is
+    the cotangent (`vjp`) or the tangent (`jvp`, `linearize`) they give."""
+    loss = lambda p, xs: jnp.sum(g(p, xs) ** 2)  # noqa: E731
+
+    def _program(p: Any, xs: Any, v: Any) -> Any:
+        of_p = lambda q: g(q, xs)  # noqa: E731
+        if transform == "vjp":
+            y, pullback = jax.vjp(of_p, p)
+            return y, pullback(v)
+        if transform == "jvp":
+            return jax.jvp(of_p, (p,), (v,))
+        if transform == "linearize":
+            y, push = jax.linearize(of_p, p)
+            return y, push(v)
+        if transform == "jacfwd":
+            return jax.jacfwd(of_p)(p)
+        return getattr(jax, transform)(loss)(p, xs)
+
+    return _program
+
+
+# Each example compiles a dozen programs: two per transform and remainder. The
+# case is drawn from the seed, so that even the first (seed 0) is a random one.
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("transform", _TRANSFORMS)
+@settings(max_examples=2, phases=(Phase.explicit, Phase.generate))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_every_transform_fits_the_budget(transform, remainder, seed):
+    # The memory oracle is the user's own program, compiled with every value
+    # they would vary (parameters, batch, cotangent, tangent) as an argument.
+    combo = (_TRANSFORMS.index(transform), remainder == "separate")
+    rng = np.random.default_rng([seed, *combo])
+    batch_size, width = int(rng.integers(2, 25)), int(rng.integers(8, 17))
+    where = float(rng.uniform())
+    element = _random_element(tuple(rng.choice(len(_ACTIVATIONS), 2)))
+    p = rng.standard_normal((width, width)).astype(np.float32)
+    xs = rng.standard_normal((batch_size, width)).astype(np.float32)
+    v = rng.standard_normal((batch_size, width) if transform == "vjp" else p.shape)
+    v = v.astype(np.float32)
+
+    def program(chunk_size: Any) -> Callable[..., Any]:
+        g = fc.filter_chunked_vmap(
+            element, in_axes=(None, 0), chunk_size=chunk_size, remainder=remainder
+        )
+        return _user_program(transform, g)
+
+    with pytest.raises(ValueError, match="needs") as info:
+        jax.jit(program(fc.MemoryBudget(1)))(p, xs, v)
+    needs = int(re.search(r"needs (\d+) bytes", str(info.value)).group(1))  # pyright: ignore
+    whole = compiled_bytes(program(None), p, xs, v)
+    budget = int(needs + where * max(whole - needs, needs))
+    compiled = jax.jit(program(fc.MemoryBudget(budget))).lower(p, xs, v).compile()
+    analysis = compiled.memory_analysis()
+    assert analysis is not None
+    assert analysis.temp_size_in_bytes + analysis.output_size_in_bytes <= budget
+    expected = jax.jit(_user_program(transform, jax.vmap(element, in_axes=(None, 0))))
+    actual = compiled(p, xs, v)
+    assert tree_allclose(actual, expected(p, xs, v), rtol=1e-4, atol=1e-5)
 
 
 def test_under_jit_and_vmap(choices, getkey):
