@@ -196,15 +196,18 @@ def _trace(
         out = fn(eqx.combine(jtu.tree_unflatten(treedef, _leaves), static))
         out_leaves, out_treedef = jtu.tree_flatten(out)
         traced = [isinstance(x, jax.core.Tracer) for x in out_leaves]
-        found[:] = [out_leaves, out_treedef, traced]
+        # Only what the trace did not compute outlives it: a tracer kept here
+        # would keep the trace alive (`jax.checking_leaks` reports it).
+        kept = [None if t else x for x, t in zip(out_leaves, traced)]
+        found[:] = [kept, out_treedef, traced]
         return [x for x, t in zip(out_leaves, traced) if t]
 
     closed = jax.make_jaxpr(_traced)(*leaves)
 
     def _rebuild(outputs: list[Any]) -> Any:
-        out_leaves, out_treedef, traced = found
+        kept, out_treedef, traced = found
         computed = iter(outputs)
-        merged = [next(computed) if t else x for x, t in zip(out_leaves, traced)]
+        merged = [next(computed) if t else x for x, t in zip(kept, traced)]
         return jtu.tree_unflatten(out_treedef, merged)
 
     return closed, leaves, _rebuild

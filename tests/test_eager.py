@@ -231,3 +231,32 @@ def test_callbacks_never_write_into_a_previous_calls_objects():
         out = fc.filter_chunked_vmap(fun, chunk_size=2)(x)
         assert tree_allclose(out, x * 2)
         assert len(log) >= 5 and np.all(buffer != 0.0)
+
+
+_LEAK_BUILDERS = (
+    ft.partial(fc.filter_chunked_vmap, remainder="overlap"),
+    ft.partial(fc.filter_chunked_vmap, remainder="separate"),
+    fc.filter_chunked_apply,
+    fc.chunked_jacrev,
+    fc.chunked_jacfwd,
+    fc.filter_chunked_jacrev,
+    fc.filter_chunked_jacfwd,
+)
+
+
+@pytest.mark.parametrize("builder", _LEAK_BUILDERS, ids=range(len(_LEAK_BUILDERS)))
+def test_eager_calls_leak_no_tracer(builder):
+    # Users debug their own leaks under `jax.checking_leaks`: the eager path (its
+    # trace, its program cache) must keep no tracer alive after a call.
+    x = jnp.arange(10.0)
+    f = lambda a: (jnp.sin(a) * 2.0, "static")
+    chunked = builder(lambda a: f(a)[0], chunk_size=3)
+    expected = builder(lambda a: f(a)[0], chunk_size=None)(x)
+    with jax.checking_leaks():
+        for _ in range(2):  # a program compiled, then one from the cache
+            assert tree_allclose(chunked(x), expected)
+            out, static = fc.filter_chunked_vmap(f, chunk_size=3)(x)
+            assert static == "static"
+        jax.jvp(chunked, (x,), (x,))
+        jax.vmap(chunked)(jnp.stack([x, x + 1.0]))
+        jax.jit(chunked)(x)
