@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -279,3 +280,19 @@ def test_derivatives_keep_weak_types(batch_size, remainder):
         weak = lambda t: jtu.tree_map(lambda a: jax.typeof(a).weak_type, t)
         assert weak(actual) == weak(expected)
     assert jax.typeof(grads[1]).weak_type
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_numpy_primals_and_tangents_reach_the_rules(remainder):
+    # Outside `jit`, `jax.grad`/`jax.jvp` hand the derivative rules the caller's
+    # NumPy arrays (and JAX's own zero tangents, a NumPy subclass); the package
+    # runs type-checked under pytest.
+    s = np.array([[0.1], [0.2], [0.3]])
+    f = lambda s: jnp.sum(jnp.sin(s))
+    chunked = fc.filter_chunked_vmap(f, chunk_size=2, remainder=remainder)
+    loss = lambda g: lambda s: jnp.sum(g(s))
+    expected = jax.grad(loss(jax.vmap(f)))(s)
+    assert tree_allclose(jax.grad(loss(chunked))(s), expected)
+    tangent = np.cos(s)
+    expected = jax.jvp(jax.vmap(f), (s,), (tangent,))
+    assert tree_allclose(jax.jvp(chunked, (s,), (tangent,)), expected)
