@@ -40,7 +40,6 @@ programs; `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it does under
 import collections
 import dataclasses
 import functools as ft
-import logging
 import types
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -53,6 +52,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.errors import JaxRuntimeError
 from jaxtyping import PyTree
+
+from ._jax_compat import equinox_runtime_message, quiet_callback_errors
 
 
 _MAX_PROGRAMS = 64
@@ -240,31 +241,14 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     return rebuild(_run(compiled, list(closed.consts), leaves))
 
 
-class _QuietCallbackErrors(logging.Filter):
-    """Drops JAX's log record of a failed callback, as `eqx.filter_jit` does: the
-    error it logs is the one raised."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        failed = record.getMessage() == "jax.pure_callback failed"
-        return not (record.name == "jax._src.callback" and failed)
-
-
-_EQX_MARK = "_EquinoxRuntimeError: "
-
-
 def _run(compiled: Callable[..., Any], consts: list[Any], leaves: list[Any]) -> Any:
     """Runs a program and waits for it, raising `eqx.error_if`'s errors as
     `eqx.filter_jit` does: an `eqx.EquinoxRuntimeError` with the message."""
-    logger = logging.getLogger("jax._src.callback")
-    quiet = _QuietCallbackErrors()
-    logger.addFilter(quiet)
-    try:
-        return jax.block_until_ready(compiled(consts, leaves))
-    except (JaxRuntimeError, ValueError) as e:
-        text = str(e)
-        if _EQX_MARK not in text:
-            raise
-        message = text.split(_EQX_MARK, 1)[1].split("\n\n\n-----", 1)[0]
-        raise eqx.EquinoxRuntimeError(message) from None
-    finally:
-        logger.removeFilter(quiet)
+    with quiet_callback_errors():
+        try:
+            return jax.block_until_ready(compiled(consts, leaves))
+        except (JaxRuntimeError, ValueError) as e:
+            message = equinox_runtime_message(e)
+            if message is None:
+                raise
+            raise eqx.EquinoxRuntimeError(message) from None

@@ -8,12 +8,15 @@ checks each against JAX itself, so that a JAX release that changes one fails
 there, loudly, rather than deep in a call.
 """
 
+import contextlib
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import jax
+import jax.core
 from jax._src import (
     debugging as _debugging,
     named_sharding as _named_sharding,
@@ -158,3 +161,39 @@ def lower_host_callback(
         sharding=sharding,
     )
     return []
+
+
+# Internal: the text of a failed `eqx.error_if` and JAX's log of the failed
+# callback, which `eqx.filter_jit` turns into an `eqx.EquinoxRuntimeError`.
+_CALLBACK_LOGGER = "jax._src.callback"
+_EQX_MARK = "_EquinoxRuntimeError: "
+
+
+class _QuietCallbackErrors(logging.Filter):
+    """Drops JAX's log record of a failed callback, as `eqx.filter_jit` does: the
+    error it logs is the one raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = record.getMessage() == "jax.pure_callback failed"
+        return not (record.name == _CALLBACK_LOGGER and failed)
+
+
+@contextlib.contextmanager
+def quiet_callback_errors() -> Iterator[None]:
+    """Within, JAX does not log the failure of a callback (its error is raised)."""
+    logger = logging.getLogger(_CALLBACK_LOGGER)
+    quiet = _QuietCallbackErrors()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def equinox_runtime_message(e: BaseException) -> str | None:
+    """The message of the `eqx.error_if` that raised `e` in a running program, or
+    `None` if `e` is some other error."""
+    text = str(e)
+    if _EQX_MARK not in text:
+        return None
+    return text.split(_EQX_MARK, 1)[1].split("\n\n\n-----", 1)[0]

@@ -2,6 +2,7 @@
 against JAX itself (`filtered_chunk/_jax_compat.py`): a JAX release that changes
 one fails here, by name, rather than deep in a chunked call."""
 
+import logging
 import pathlib
 import re
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import tomllib
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core as jex
@@ -217,3 +219,22 @@ def test_host_callback_lowering(where):
     np.testing.assert_array_equal(out, x * 2)
     assert len(_calls) == 1
     np.testing.assert_array_equal(_calls[0][0], x[:1])
+
+
+def test_equinox_runtime_message_reads_a_failed_error_if():
+    def f(x):
+        return eqx.error_if(x, x < 0, "x must be positive")
+
+    with pytest.raises(Exception) as info:
+        with compat.quiet_callback_errors():
+            jax.block_until_ready(jax.jit(f)(-1.0))
+    assert compat.equinox_runtime_message(info.value) == "x must be positive"
+    assert compat.equinox_runtime_message(ValueError("other")) is None
+
+
+def test_quiet_callback_errors_drops_only_jax_callback_failures(caplog):
+    logger = logging.getLogger(compat._CALLBACK_LOGGER)
+    with caplog.at_level(logging.ERROR), compat.quiet_callback_errors():
+        logger.error("jax.pure_callback failed")
+        logger.error("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
