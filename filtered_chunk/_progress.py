@@ -172,15 +172,17 @@ def _import_tqdm() -> Any:
     except ImportError as e:
         raise ImportError(
             "`filtered_chunk.TqdmProgressMeter` needs the `tqdm` package, which is "
-            "not installed. Install it with `pip install tqdm` (or `pip install "
-            "filtered_chunk[progress]`), or use `filtered_chunk.TextProgressMeter`."
+            "not installed. Install it with `pip install tqdm` (or, from a clone of "
+            'filtered_chunk, `pip install ".[progress]"`), or use '
+            "`filtered_chunk.TextProgressMeter`."
         ) from e
     return tqdm.auto
 
 
 class TqdmProgressMeter(AbstractProgressMeter):
     """Shows a [tqdm](https://tqdm.github.io) bar per call, counting elements of
-    the batch. Needs `tqdm`: `pip install filtered_chunk[progress]`.
+    the batch. Needs `tqdm`: `pip install tqdm`, or `pip install ".[progress]"`
+    from a clone of filtered_chunk.
 
     **Arguments:**
 
