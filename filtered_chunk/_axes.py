@@ -10,11 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._custom_types import AxisSpec, ResolvedAxisSpec
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
+from ._custom_types import AxisSpec, is_none, ResolvedAxisSpec
 
 
 def is_array(x: Any) -> bool:
@@ -103,7 +99,7 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
     """Checks, when the transform is built, that a spec holds only valid leaves."""
     # `spec` is the user's, still unchecked: annotated `Any` so that a runtime type
     # checker leaves the (value) error to this function.
-    for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=_is_none):
+    for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=is_none):
         if leaf is None or callable(leaf):
             continue
         if isinstance(leaf, bool) and argname == "in_axes":
@@ -123,7 +119,7 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
 
 def _is_prefix(spec: PyTree[Any], tree: PyTree[Any]) -> bool:
     try:
-        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
     except ValueError:
         return False
     return True
@@ -134,7 +130,7 @@ def resolve_axes(
 ) -> PyTree[ResolvedAxisSpec]:
     """Evaluates the prefix `spec` on every leaf of `tree`, as `eqx.filter_vmap`."""
     try:
-        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
     except ValueError as e:
         shown, target = spec, "the output" if argname == "out_axes" else "the inputs"
         if argname == "in_axes" and isinstance(spec, tuple) and len(spec) == 2:
@@ -153,7 +149,7 @@ def resolve_axes(
 
         return jtu.tree_map_with_path(_leaf, subtree)
 
-    return jtu.tree_map_with_path(_subtree, spec, tree, is_leaf=_is_none)
+    return jtu.tree_map_with_path(_subtree, spec, tree, is_leaf=is_none)
 
 
 def normalise_in_axes(
@@ -192,7 +188,7 @@ def normalise_in_axes(
             )
         return axis % ndim
 
-    return jtu.tree_map_with_path(_check, axes, tree, is_leaf=_is_none)
+    return jtu.tree_map_with_path(_check, axes, tree, is_leaf=is_none)
 
 
 def batch_size_of(
