@@ -37,8 +37,18 @@ from matplotlib.ticker import (  # noqa: E402
 
 # Text stays text in the SVG: small files, crisp at any width.
 # Reproducible files: the same results give the same bytes.
+# Readable on a phone: the figures are 5.5 inches wide and the docs show them at
+# 350 px or more there, so 13 pt text is 11 px or more (no text below 10.5 pt).
+WIDTH = 5.5
 plt.rcParams.update(
-    {"svg.fonttype": "none", "font.size": 12, "svg.hashsalt": "filtered_chunk"}
+    {
+        "svg.fonttype": "none",
+        "font.size": 13,
+        "axes.titlesize": 13,
+        "xtick.labelsize": 11.5,
+        "ytick.labelsize": 11.5,
+        "svg.hashsalt": "filtered_chunk",
+    }
 )
 METADATA = {"Date": None}
 STYLES = {  # colour, marker, line style: no two alike
@@ -67,12 +77,12 @@ SHORT = {
 def _workload_axes(results: dict[str, Any], title: str):
     """A 3 x 2 grid: one panel per workload, the last one for the legend."""
     keys = list(results["workloads"])
-    fig, grid = plt.subplots(3, 2, figsize=(8, 11))
-    fig.suptitle(title, fontsize=14)
+    fig, grid = plt.subplots(3, 2, figsize=(WIDTH, 11))
+    fig.suptitle(textwrap.fill(title, 36), fontsize=14)
     panels = list(grid.flat)
     for ax, key in zip(panels, keys):
         title = results["workloads"][key]["title"].replace("`", "")
-        ax.set_title(f"({key}) {title}", fontsize=12)
+        ax.set_title(textwrap.fill(f"({key}) {title}", 20, break_long_words=False))
         ax.grid(True, which="major", alpha=0.3)
     for ax in panels[len(keys) :]:
         ax.axis("off")
@@ -117,7 +127,8 @@ def _panel_note(ax: Any, series: dict[str, list[tuple[float, float]]]) -> None:
     notes = [" = ".join(SHORT[k] for k in g) for g in groups if len(g) > 1]
     if notes:
         title = ax.get_title()
-        ax.set_title(title + "\n" + "; ".join(notes) + ": one line", fontsize=10.5)
+        note = textwrap.fill("; ".join(notes) + ": one line", 26)
+        ax.set_title(title + "\n" + note, fontsize=10.5)
 
 
 def _legend(
@@ -133,16 +144,19 @@ def _legend(
         loc="upper center",
         fontsize=11,
         frameon=False,
-        handlelength=3.5,
+        handlelength=2.5,
     )
     same = ", ".join(f"{SHORT[h]} = {SHORT[s]}" for h, s in hidden.items())
     notes = [f"In every panel {same}: drawn once."] if hidden else []
     if extra:
         notes.append(extra)
+    # The notes go under the panels, full width: beside the legend they would
+    # overlap it on a figure narrow enough for a phone.
+    text = "\n".join(textwrap.fill(n, 60) for n in notes)
+    bottom = (text.count("\n") + 1) * 14 / (fig.get_figheight() * 72) if notes else 0
     if notes:
-        text = "\n".join(textwrap.fill(n, 44) for n in notes)
-        legend_ax.text(0.5, -0.1, text, ha="center", va="bottom", fontsize=10)
-    fig.tight_layout()
+        fig.text(0.5, 0.005, text, ha="center", va="bottom", fontsize=10.5)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
 
 
 def _log_ticks(axis: Any, values: list[float]) -> None:
@@ -203,6 +217,8 @@ def _chunk_plot(
         ax.set_xscale("log")
         ax.set_yscale("log")
         _log_ticks(ax.xaxis, sorted({x for s in series.values() for x, _ in s}))
+        # Chunk sizes such as 64 and 100 lie close on a narrow log axis.
+        ax.tick_params(axis="x", labelrotation=90)
         ys = [y for s in series.values() for _, y in s] + [1.0]
         _log_ticks(ax.yaxis, nice_ticks(min(ys), max(ys)))
         ax.set_xlabel("chunk size K")
@@ -227,7 +243,7 @@ def plot_chunk_sizes(results: dict[str, Any], out_dir: Path) -> list[Path]:
         time,
         time_ratio,
         "How long, against the chunk size K?",
-        "time / best of jax.vmap, jax.lax.map",
+        "time / best of\njax.vmap, jax.lax.map",
         "1 = the faster of jax.vmap and jax.lax.map at the same K; eqx.filter_vmap "
         "(jax.vmap's program) left out.",
     )
@@ -267,19 +283,23 @@ def plot_headline(results: dict[str, Any], out_dir: Path) -> list[Path]:
     k = headline_chunk_size(results)
     configs = [c for c in _configs(results, "chunk") if c["chunk_size"] == k]
     peers = ("fc", "lax_map", "vmap")
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = plt.subplots(figsize=(WIDTH, 6.2))
     height = 0.26
     for i, key in enumerate(peers):
         color, _, _ = STYLES[key]
         ys = [j + (i - 1) * height for j in range(len(configs))]
         values = [mem_ratio(c, key) or 0.0 for c in configs]
         bars = ax.barh(ys, values, height=height, color=color, label=NAMES[key])
-        ax.bar_label(bars, [f"{v:.2f}x" for v in values], padding=3, fontsize=10)
+        ax.bar_label(bars, [f"{v:.2f}x" for v in values], padding=3, fontsize=10.5)
     ax.set_yticks(range(len(configs)))
     ax.set_yticklabels(
         [
-            f"({c['workload']}) "
-            + results["workloads"][c["workload"]]["title"].replace("`", "")
+            textwrap.fill(
+                f"({c['workload']}) "
+                + results["workloads"][c["workload"]]["title"].replace("`", ""),
+                12,
+                break_long_words=False,
+            )
             for c in configs
         ]
     )
@@ -289,15 +309,15 @@ def plot_headline(results: dict[str, Any], out_dir: Path) -> list[Path]:
     _log_ticks(ax.xaxis, nice_ticks(min(values + [1.0]), max(values)))
     ax.set_xlim(right=max(values) * 2.2)
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("memory / floor (1 = the outputs plus one chunk's working set)")
+    ax.set_xlabel("memory / floor (1 = the outputs\nplus one chunk's working set)")
     ax.set_title(
-        f"Memory needed at chunk size K = {k} ({_device(results)})", fontsize=11
+        f"Memory needed at chunk size K = {k}\n({_device(results)})", fontsize=13
     )
     ax.legend(
         loc="upper center",
-        bbox_to_anchor=(0.4, -0.2),
-        ncols=3,
-        fontsize=11,
+        bbox_to_anchor=(0.35, -0.22),
+        ncols=2,
+        fontsize=11.5,
         frameon=False,
     )
     fig.tight_layout()

@@ -529,8 +529,9 @@ def alt_text(results: dict[str, Any], name: str) -> str:
 
 
 def image(results: dict[str, Any], path: str) -> str:
-    """A Markdown image with its alt text."""
-    return f"![{alt_text(results, Path(path).stem)}]({path})"
+    """A Markdown image with its alt text, linked to itself: a tap on a phone
+    opens the plot at full size."""
+    return f"[![{alt_text(results, Path(path).stem)}]({path})]({path})"
 
 
 def _provenance(results: dict[str, Any]) -> str:

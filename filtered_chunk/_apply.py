@@ -317,8 +317,8 @@ def filter_chunked_apply(
     its outputs into arrays allocated once at full size. Both transforms share
     that loop, so they handle the remainder, `out_axes` and derivatives in the
     same way; in particular gradients rematerialise one chunk at a time (see the
-    guide on derivatives). Wherever `chunk_size` does not matter, the result is
-    exactly `fun(*args, **kwargs)`.
+    [guide on derivatives][derivatives]). Wherever `chunk_size` does not matter,
+    the result is exactly `fun(*args, **kwargs)`.
 
     `fun` must treat the elements of the batch independently (no batch
     normalisation, no reduction over the batch), since each call sees one chunk.
@@ -357,7 +357,7 @@ def filter_chunked_apply(
         residuals to save.
     - `progress_meter`: keyword-only. Reports the elements done while the call
         runs, also under `jax.jit`: {meters} Only a call split into chunks
-        reports. See the guide on progress.
+        reports. See the [guide on progress][progress].
 
     **Returns:**
 

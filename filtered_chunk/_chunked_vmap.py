@@ -272,8 +272,8 @@ def filter_chunked_vmap(
         integer type is accepted (`numpy.int64`, a JAX integer scalar). Or a
         memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
         largest chunk size whose compiled program fits it is chosen when the
-        transform is first called with given shapes (see the guide on choosing
-        `chunk_size`).
+        transform is first called with given shapes (see the guide on
+        [choosing `chunk_size`][choosing-chunk_size]).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`. When the batch is split into more than one chunk, a
         collective over this axis (even one that only a custom derivative rule
@@ -302,11 +302,11 @@ def filter_chunked_vmap(
         outside `jax.jit` and in explicit-sharding mode; name it only under `jit`
         in auto-sharding mode, with the mesh set by `jax.set_mesh`. The batch size
         must then be a multiple of the number of devices. Defaults to `None`. See
-        the guide on sharded and multi-host use.
+        the guide on [sharded and multi-host use][sharded-and-multi-host-use].
     - `progress_meter`: keyword-only. Reports the elements done while the call
         runs, also under `jax.jit`: {meters} Only a call split into chunks
-        reports. See the guide on progress. With a sharded batch, one meter counts
-        every device's elements.
+        reports. See the [guide on progress][progress]. With a sharded batch, one
+        meter counts every device's elements.
 
     **Returns:**
 

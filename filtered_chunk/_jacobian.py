@@ -245,7 +245,7 @@ def chunked_jacrev(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the rows done while the call
-        runs, also under `jax.jit`: {meters} See the guide on progress.
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
@@ -347,7 +347,7 @@ def chunked_jacfwd(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the columns done while the call
-        runs, also under `jax.jit`: {meters} See the guide on progress.
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
