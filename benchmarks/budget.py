@@ -20,10 +20,15 @@ program), `filter_chunked_vmap(..., chunk_size=fc.MemoryBudget(budget))`:
   compilations and compile time are the difference.
 
 For the gradient workload (d) the program is `jax.grad` of the summed map, so the
-budget applies to the differentiated chunked call.
+budget applies to the differentiated chunked call. Two more workloads check the
+budget under other transformations: (f) `jax.grad` of a non-linear loss of the
+MLP's outputs (its cotangent depends on the outputs, so XLA cannot fold it as it
+could a sum's), and (g) `jax.jvp` of the pairwise kernel w.r.t. the queries, a
+tangent given as an argument (forward mode: primal and tangent outputs).
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -40,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _measure import compile_fn, CompileCounter, MIB
-from _workloads import workloads
+from _workloads import Workload, workloads
 
 import filtered_chunk as fc
 import filtered_chunk._chunk_search as search_module
@@ -60,7 +65,44 @@ def program(w: Any, chunk_size: Any) -> Callable[..., Any]:
     )
     if w.objective == "grad":
         return lambda p, *rest: jax.grad(lambda _p: jnp.sum(mapped(_p, *rest)))(p)
+    if w.objective == "grad_loss":
+        loss = lambda p, *rest: jnp.sum(jnp.tanh(mapped(p, *rest)) ** 2)  # noqa: E731
+        return jax.grad(loss)
+    if w.objective == "jvp":
+        # The tangent is the last argument.
+        return lambda x, *rest: jax.jvp(
+            lambda _x: mapped(_x, *rest[:-1]), (x,), (rest[-1],)
+        )
     return mapped
+
+
+def budget_workloads(quick: bool) -> list[Workload]:
+    """The workloads of `_workloads.py`, and (f) and (g) built on (b) and (a)."""
+    base = workloads(quick)
+    kernel, mlp = base[0], base[1]
+    loss = dataclasses.replace(
+        mlp,
+        key="f",
+        title="gradient of a non-linear loss",
+        description="`jax.grad` w.r.t. the parameters of "
+        "`sum(tanh(mlp(x)) ** 2)` over the N inputs of (b).",
+        objective="grad_loss",
+    )
+
+    def _with_tangent(n: int) -> tuple[Any, ...]:
+        queries, *rest = kernel.make_args(n)
+        tangent = np.random.default_rng(8).standard_normal(queries.shape, np.float32)
+        return queries, *rest, jnp.asarray(tangent)
+
+    jvp = dataclasses.replace(
+        kernel,
+        key="g",
+        title="`jax.jvp` of the kernel",
+        description="`jax.jvp` of (a) w.r.t. the N queries, with a tangent.",
+        make_args=_with_tangent,
+        objective="jvp",
+    )
+    return [*base, loss, jvp]
 
 
 def _clear_cache() -> None:
@@ -247,7 +289,7 @@ def main() -> int:
     counter = CompileCounter()
     only = set(opts.only.split(",")) if opts.only else None
     rows = []
-    for w in workloads(opts.quick):
+    for w in budget_workloads(opts.quick):
         if only is None or w.key in only:
             rows += measure_workload(w, opts.quick, counter, log)
     command = "python benchmarks/budget.py" + (" --quick" if opts.quick else "")

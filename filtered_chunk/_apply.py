@@ -1,7 +1,6 @@
 """`filter_chunked_apply`: call an already vectorised function on chunks of a batch."""
 
 import functools as ft
-import re
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -16,9 +15,9 @@ from beartype import beartype
 from jaxtyping import jaxtyped, PyTree
 
 from ._axes import (
+    batched_none_path,
     describe,
     is_array,
-    raised_by_fun,
     resolve_axes,
     run_tagged,
 )
@@ -225,10 +224,10 @@ def _check_unbatched(
     try:
         jax.eval_shape(jax.vmap(_unbatched, out_axes=None), structs)
     except ValueError as e:
-        if raised_by_fun(e) or "but output was batched" not in str(e):
+        path = batched_none_path(e)
+        if path is None:
             raise
-        match = re.search(r"out_axes\[(\d+)\]", str(e))
-        index = int(match.group(1)) if match else len(paths)
+        index = path[0] if len(path) == 1 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it depends "

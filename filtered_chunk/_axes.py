@@ -11,6 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._custom_types import AxisSpec, is_none, ResolvedAxisSpec
+from ._jax_compat import batched_none_output
 
 
 def is_array(x: Any) -> bool:
@@ -41,6 +42,13 @@ def run_tagged(fun: Callable[..., Any], *args: Any) -> Any:
 def raised_by_fun(e: BaseException) -> bool:
     """Whether `run_tagged` saw `e` come out of the function it ran."""
     return getattr(e, _FROM_FUN, False)
+
+
+def batched_none_path(e: BaseException) -> tuple[int, ...] | None:
+    """If `e` is a transform's own `jax.vmap` refusing an output with out axis
+    `None` that varies over the batch (not an error `fun` raised), the key path
+    JAX names below `out_axes`; else `None`."""
+    return None if raised_by_fun(e) else batched_none_output(e)
 
 
 def describe(argname: str, path: tuple[Any, ...]) -> str:

@@ -18,17 +18,16 @@ the API docs show it).
 
 import functools as ft
 import inspect
-import os
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from jax._src import traceback_util
+from ._jax_compat import api_boundary as api_boundary, exclude_from_tracebacks
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-traceback_util.register_exclusion(os.path.dirname(__file__))
+exclude_from_tracebacks(__file__)
 
 _SHARED_DOCS = {
     "{meters}": "`None` or `filtered_chunk.NoProgressMeter()` (the default: nothing, "
@@ -36,11 +35,6 @@ _SHARED_DOCS = {
     "`filtered_chunk.TqdmProgressMeter()`, or a subclass of "
     "`filtered_chunk.AbstractProgressMeter`.",
 }
-
-
-def api_boundary(fun: _F) -> _F:
-    """JAX filters the tracebacks of exceptions raised below a call of `fun`."""
-    return traceback_util.api_boundary(fun)
 
 
 def _call_text(

@@ -4,14 +4,13 @@ is in `_chunk_search.py`; `suggest_chunk_size` in `_suggest.py`."""
 
 import math
 import operator
-import os
 import re
 from typing import Any, Literal, SupportsIndex, TypeAlias
 
 import equinox as eqx
-import jax
-import jax.core
 import numpy as np
+
+from ._free_memory import available_bytes
 
 
 # "auto" budgets this share of the memory the device reports free: XLA's estimate
@@ -58,12 +57,16 @@ class MemoryBudget(eqx.Module):
 
     The budget bounds what the chunked call allocates beyond its arguments: XLA's
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
-    runs. Under `jax.grad`/`jax.vjp` that is the differentiated program (forward and
-    backward, with the transform's `checkpoint` setting). The chunk size is found
-    by compiling the call at a few chunk sizes on abstract shapes (usually four
-    compilations, at most ten) when the transform is first called with those
-    shapes, inside or outside `jax.jit`; the choice is cached, so later calls
-    compile nothing more for it.
+    runs. Under `jax.grad`/`jax.vjp`/`jax.linearize` that is the differentiated
+    program (forward and backward, with the transform's `checkpoint` setting, or
+    the linearisation, whichever is larger), under `jax.jvp`/`jax.jacfwd` the
+    forward-mode program (primal and tangent outputs), each measured with the
+    cotangents or tangents as arguments and their bytes counted. The chunk size
+    is found by compiling the call at a few chunk sizes on abstract shapes
+    (usually four to seven, at most twelve; two programs a size under reverse
+    mode) when the transform is first called with those shapes, inside or
+    outside `jax.jit`; the choice is cached, so later calls compile nothing more
+    for it.
 
     **Arguments:**
 
@@ -74,8 +77,9 @@ class MemoryBudget(eqx.Module):
           1024);
         - a float in `(0, 1]`: that fraction of the memory the default device has
           free when the call is traced (`bytes_limit - bytes_in_use` from
-          `jax.Device.memory_stats()` on an accelerator, the system's available
-          memory on CPU).
+          `jax.Device.memory_stats()` on an accelerator; on CPU the smallest of
+          the system's available memory and what the process's memory cgroups
+          have left, so that a container's limit counts).
 
     `chunk_size="auto"` is `MemoryBudget(0.8)`: 80% of the free memory, leaving
     room for what XLA's estimate does not count (the allocator's fragmentation,
@@ -146,23 +150,6 @@ class MemoryBudget(eqx.Module):
 # What `chunk_size` accepts: an integer (anything `operator.index` takes), `None`,
 # `"auto"` or a `MemoryBudget`. Builders check it by value (`normalise_chunk_size`).
 ChunkSizeSpec: TypeAlias = int | SupportsIndex | Literal["auto"] | MemoryBudget | None
-
-
-def available_bytes(device: Any = None) -> int:
-    """The memory `device` (the default device) has free: `bytes_limit -
-    bytes_in_use` where JAX reports them, else the system's available memory."""
-    device = device or jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | None":

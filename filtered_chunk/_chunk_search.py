@@ -1,17 +1,23 @@
 """Choosing the chunk size for a memory budget, by compiling the call.
 
 What a chunked call allocates beyond its arguments (XLA's temporary plus output
-bytes of the compiled program) is close to affine in the chunk size: the outputs
-are allocated at full batch size, and one chunk's working set grows linearly with
-it. So the chunk size is searched by compiling the call on abstract shapes
-(`jax.jit(...).lower(...).compile().memory_analysis()`), never by running it: the
-whole batch first (if it fits, nothing is chunked), then one element per chunk
-(if that does not fit, nothing does), then sizes in between guessed by secant
-interpolation of the measured bytes, each guess checked together with its
-neighbour (bisecting when the guesses keep missing on one side), so that the
-answer is a measured size that fits whose next size up measurably does not.
-Measurements and choices are cached on the traced program (as `_eager.py` keys
-compiled programs), so a repeated call compiles nothing for the search.
+bytes of the compiled program) is close to affine in the chunk size over a range
+of sizes whose schedule keeps its shape: the outputs are allocated at full batch
+size, and one chunk's working set grows linearly with it. Between such ranges it
+jumps: the whole batch is one `vmap`, and with `remainder="separate"` a size
+above half the batch runs one chunk and the remainder side by side (XLA unrolls
+a loop of one step). So the chunk size is searched by compiling the call on
+abstract shapes (`jax.jit(...).lower(...).compile().memory_analysis()`), never
+by running it, as the transformations around it run it (`_budget_program.py`):
+the whole batch first (if it fits, nothing is chunked), then one element per
+chunk (if that does not fit, nothing does), then each range from the largest
+down: its ends, and if only its smallest size fits, sizes in between guessed by
+secant interpolation, each guess checked together with its neighbour
+(bisecting when the guesses keep missing on one side). The answer is a measured
+size that fits whose next size up measurably does not, after at most
+`MAX_COMPILATIONS` sizes. Measurements and choices are cached on the traced
+program (as `_eager.py` keys compiled programs), so a repeated call compiles
+nothing for the search.
 """
 
 import dataclasses
@@ -21,27 +27,30 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
-import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src.interpreters import ad
 from jaxtyping import PyTree
 
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
+from ._budget_program import has_reverse, Layer, layers_of, transformed
 from ._eager import program_key
 
 
-# A search compiles the whole batch, one element, then pairs of guesses.
-MAX_COMPILATIONS = 10
+# A search measures at most this many sizes: the whole batch, one element, the
+# ends of each further segment of sizes (`_segments`), then pairs of guesses.
+# Each size compiles one program; under a reverse-mode transformation, two when
+# the first fits (`choose_chunk_size`).
+MAX_COMPILATIONS = 12
 
 
 @dataclasses.dataclass(frozen=True)
 class _Measured:
     temp: int
     output: int
+    fed: int = 0  # the tangents or cotangents a derivative feeds in
 
     @property
     def total(self) -> int:
-        return self.temp + self.output
+        return self.temp + self.output + self.fed
 
 
 _MAX_ENTRIES = 256
@@ -55,16 +64,6 @@ def _remember(cache: dict[Hashable, Any], key: Hashable | None, value: Any) -> N
     cache[key] = value
     while len(cache) > _MAX_ENTRIES:
         del cache[next(iter(cache))]
-
-
-def _differentiated(x: Any) -> bool:
-    """Whether `x` is traced by `jax.grad`/`jax.vjp`/`jax.jvp` (maybe under other
-    transformations): then the program that runs is the differentiated one."""
-    while isinstance(x, jax.core.Tracer):
-        if isinstance(x, ad.JVPTracer | getattr(ad, "LinearizeTracer", ad.JVPTracer)):
-            return bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))
-        x = getattr(x, "val", None)
-    return False
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -89,10 +88,9 @@ class _Program:
 
     def __init__(self, run: Callable[[int | None, Any], Any], tree: PyTree[Any]):
         dynamic, self.static = eqx.partition(tree, eqx.is_array)
-        leaves, self.treedef = jtu.tree_flatten(dynamic)
+        self.leaves, self.treedef = jtu.tree_flatten(dynamic)
         self.run = run
-        self.structs = [_struct(x) for x in leaves]
-        self.mask = [_differentiated(x) for x in leaves]
+        self.structs = [_struct(x) for x in self.leaves]
 
     def trace(self, k: int | None) -> Any:
         """The jaxpr at `k` (its constants may be an outer transformation's
@@ -104,64 +102,45 @@ class _Program:
 
         return jax.make_jaxpr(_fn)(self.structs)
 
-    def key(self) -> Hashable | None:
-        """What the measurements depend on: the traced program (unchunked, and its
-        callables' identities), the inputs' types, what is differentiated."""
+    def key(self) -> tuple[Hashable | None, tuple[Layer, ...]]:
+        """What the measurements depend on (the traced program, unchunked, and
+        its callables' identities; the inputs' types; the transformations around
+        it), and those transformations."""
         closed = self.trace(None)
+        layers = layers_of([*closed.consts, *self.leaves])
         try:
             key = (
                 str(closed.jaxpr),
                 tuple(program_key(closed.jaxpr, evaluated_only=False)),
                 tuple(_key_of(_struct(x)) for x in closed.consts),
-                tuple(_differentiated(x) for x in closed.consts),
                 tuple(_key_of(s) for s in self.structs),  # with their shardings
-                tuple(self.mask),
+                layers,
             )
             hash(key)
         except TypeError:
-            return None
-        return key
+            return None, layers
+        return key, layers
 
-    def measure(self, k: int | None) -> _Measured:
-        """XLA's temporary and output bytes of the call at chunk size `k`."""
+    def measure(self, k: int | None, linearize: bool = False) -> _Measured:
+        """XLA's temporary and output bytes of the call at chunk size `k` as the
+        transformations around it run it (reverse mode as a linearisation if
+        `linearize`), plus the bytes they feed in (`_budget_program.py`)."""
         closed = self.trace(k)
         consts = list(closed.consts)
-        mask = [_differentiated(x) for x in consts] + self.mask
-        fn = _as_program(closed.jaxpr, len(consts), mask)
+        layers = layers_of([*consts, *self.leaves])
+
+        def _forward(leaves: list[Any]) -> list[Any]:
+            return jax.core.eval_jaxpr(
+                closed.jaxpr, leaves[: len(consts)], *leaves[len(consts) :]
+            )
+
         structs = [_struct(x) for x in consts] + self.structs
+        fn, structs, fed = transformed(_forward, structs, layers, linearize)
         analysis = jax.jit(fn).lower(structs).compile().memory_analysis()
         assert analysis is not None
         return _Measured(
-            int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
+            int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes), fed
         )
-
-
-def _as_program(jaxpr: Any, num_consts: int, mask: list[bool]) -> Callable:
-    """The function measured: `jaxpr`'s evaluation, or with a differentiated input
-    its evaluation and pullback (of ones), as `jax.grad` runs it."""
-
-    def _forward(leaves: list[Any]) -> list[Any]:
-        return jax.core.eval_jaxpr(jaxpr, leaves[:num_consts], *leaves[num_consts:])
-
-    if not any(mask):
-        return _forward
-
-    def _vjp(leaves: list[Any]) -> Any:
-        def _diff(_diff_leaves: list[Any]) -> tuple[list[Any], list[Any]]:
-            it = iter(_diff_leaves)
-            full = [next(it) if m else x for x, m in zip(leaves, mask, strict=True)]
-            outs = _forward(full)
-            inexact = [bool(jnp.issubdtype(o.dtype, jnp.inexact)) for o in outs]
-            return (
-                [o for o, i in zip(outs, inexact) if i],
-                [o for o, i in zip(outs, inexact) if not i],
-            )
-
-        diff = [x for x, m in zip(leaves, mask, strict=True) if m]
-        outs, pullback, others = jax.vjp(_diff, diff, has_aux=True)
-        return outs, others, pullback([jnp.ones_like(o) for o in outs])
-
-    return _vjp
 
 
 class _Sizes:
@@ -192,34 +171,53 @@ class _Sizes:
 
 
 def _too_small(api: str, budget: MemoryBudget, limit: int, smallest: _Measured):
+    fed = (
+        f" and {smallest.fed} bytes are the tangents or cotangents that the "
+        "derivative around the call feeds in,"
+        if smallest.fed
+        else ","
+    )
     return ValueError(
         f"`{api}(..., chunk_size={budget!r})`: the memory budget of {limit} bytes "
         f"({format_bytes(limit)}) is too small for this call. Even one element per "
         "chunk (one row or column, for a Jacobian) needs "
         f"{smallest.total} bytes ({format_bytes(smallest.total)}) of temporaries "
-        f"and outputs, of which {smallest.output} bytes are outputs, "
+        f"and outputs, of which {smallest.output} bytes are outputs{fed} "
         "allocated at full batch size whatever the chunk size. Give a budget of at "
         f"least {smallest.total} bytes, or make the outputs smaller (map fewer "
         "elements per call, or return less)."
     )
 
 
-def _search(
-    measure: Callable[[int], _Measured],
+def _segments(sizes: _Sizes) -> list[tuple[int, int]]:
+    """The ranges of sizes `(smallest, largest)` over which the schedule keeps its
+    shape, largest first: the whole batch; with `remainder="separate"`, one whole
+    chunk and a remainder (XLA unrolls a loop of one step, so both are live at
+    once: the bytes jump above half the batch); two or more steps."""
+    n = sizes.n
+    if n == 1:
+        return [(1, 1)]
+    # The largest size with two steps: two whole chunks, or with an overlap.
+    two_steps = -(-n // 2) if sizes.balanced else n // 2
+    one_step = (
+        [] if sizes.balanced or two_steps + 1 > n - 1 else [(two_steps + 1, n - 1)]
+    )
+    return [(n, n), *one_step, (1, two_steps)]
+
+
+def _secant(
+    bytes_at: Callable[[int], int],
     sizes: _Sizes,
     limit: int,
-    on_too_small: Callable[[_Measured], Exception],
+    bracket: tuple[int, int],
+    spent: Callable[[], int],
 ) -> int:
-    """The largest size measured to fit `limit` whose next size up does not (or the
-    batch size, or after `MAX_COMPILATIONS` the largest found to fit)."""
-    n = sizes.n
-    bytes_at = lambda k: measure(k).total  # noqa: E731
-    if bytes_at(n) <= limit:
-        return n
-    if n == 1 or bytes_at(1) > limit:
-        raise on_too_small(measure(1))
-    lo, hi, count, moved = 1, n, 2, ""
-    while sizes.above(lo) < hi and count < MAX_COMPILATIONS:
+    """The largest size in `bracket = (lo, hi)` (`lo` fits, `hi` does not, both in
+    one segment) measured to fit whose next size up does not, or after
+    `MAX_COMPILATIONS` sizes the largest found to fit."""
+    lo, hi = bracket
+    moved = ""
+    while sizes.above(lo) < hi and spent() < MAX_COMPILATIONS:
         # A secant guess, checked with its neighbour; but bisect when the last
         # two guesses moved the same end (the bytes are far from affine there).
         bisect = moved[-2:] in ("ll", "hh")
@@ -230,17 +228,41 @@ def _search(
             guess = lo + (limit - bytes_at(lo)) / slope if slope > 0 else hi - 1
         k = sizes.at_most(min(max(int(guess), sizes.above(lo)), hi - 1))
         k = max(k, sizes.above(lo))
-        count += 1
         fits = bytes_at(k) <= limit
         lo, hi, moved = (k, hi, moved + "l") if fits else (lo, k, moved + "h")
         neighbour = sizes.above(k) if fits else sizes.below(k)
-        if not bisect and lo < neighbour < hi:
-            count += 1
+        if not bisect and lo < neighbour < hi and spent() < MAX_COMPILATIONS:
             if bytes_at(neighbour) <= limit:
                 lo = neighbour
             else:
                 hi = neighbour
     return lo
+
+
+def _search(
+    measure: Callable[[int], _Measured],
+    sizes: _Sizes,
+    limit: int,
+    on_too_small: Callable[[_Measured], Exception],
+    spent: Callable[[], int],
+) -> int:
+    """The largest size measured to fit `limit` whose next size up does not (or the
+    batch size, or after `MAX_COMPILATIONS` sizes the largest found to fit),
+    searching each segment of sizes (`_segments`) from the largest down."""
+    bytes_at = lambda k: measure(k).total  # noqa: E731
+    segments = _segments(sizes)
+    if bytes_at(sizes.n) <= limit:
+        return sizes.n
+    if sizes.n == 1 or bytes_at(1) > limit:
+        raise on_too_small(measure(1))
+    for lo, hi in segments[1:]:
+        # Within a segment the bytes are close to affine in the size, so if
+        # neither end fits, nothing between does.
+        if bytes_at(hi) <= limit:
+            return hi
+        if lo < hi and bytes_at(lo) <= limit:
+            return _secant(bytes_at, sizes, limit, (lo, hi), spent)
+    raise AssertionError("one element per chunk fits")  # the last segment's `lo`
 
 
 def choose_chunk_size(
@@ -254,30 +276,39 @@ def choose_chunk_size(
     api: str,
 ) -> ChunkSizeChoice:
     """The largest chunk size for which `run(chunk_size, tree)` (the chunked call;
-    `None` for the whole batch) fits `budget`, measured by compiling it."""
+    `None` for the whole batch) fits `budget`, measured by compiling it as the
+    transformations around it run it."""
     program = _Program(run, tree)
     limit = budget.resolve()
-    base = program.key()
+    base, layers = program.key()
     base = None if base is None else (base, batch_size, remainder, options)
     chosen = _chosen.get((base, limit)) if base is not None else None
     if chosen is not None:
         return chosen
     tried: dict[int, _Measured] = {}
 
-    def _measure(k: int) -> _Measured:
-        if k in tried:
-            return tried[k]
-        key = None if base is None else (base, k)
+    def _once(k: int, linearize: bool) -> _Measured:
+        key = None if base is None else (base, k, linearize)
         found = _measured.get(key) if key is not None else None
         if found is None:
-            found = program.measure(None if k >= batch_size else k)
+            found = program.measure(None if k >= batch_size else k, linearize)
             _remember(_measured, key, found)
-        tried[k] = found
         return found
 
+    def _measure(k: int, full: bool = False) -> _Measured:
+        # Reverse mode runs as a pullback (`grad`) or a linearisation
+        # (`linearize`): both must fit, and the second is only worth compiling
+        # when the first does (or `full`, for what a size needs).
+        if k not in tried or full:
+            found = _once(k, False)
+            if has_reverse(layers) and (full or found.total <= limit):
+                found = max(found, _once(k, True), key=lambda m: m.total)
+            tried[k] = found
+        return tried[k]
+
     sizes = _Sizes(batch_size, remainder)
-    too_small = lambda m: _too_small(api, budget, limit, m)  # noqa: E731
-    k = _search(_measure, sizes, limit, too_small)
+    too_small = lambda _: _too_small(api, budget, limit, _measure(1, True))  # noqa: E731
+    k = _search(_measure, sizes, limit, too_small, lambda: len(tried))
     chosen = ChunkSizeChoice(
         k, tried[k].total, limit, tuple((s, tried[s].total) for s in sorted(tried))
     )

@@ -3,7 +3,6 @@ at a time. Its plan binds the arguments with their axes, maps `fun` over each ch
 with `jax.vmap` and moves the outputs to their out axes."""
 
 import functools as ft
-import re
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, overload
 
@@ -17,9 +16,9 @@ from equinox.internal import Static
 from jaxtyping import jaxtyped, PyTree
 
 from ._axes import (
+    batched_none_path,
     describe,
     is_array,
-    raised_by_fun,
     resolve_axes,
     run_tagged,
 )
@@ -175,10 +174,10 @@ def _chunk_fn(
     try:
         unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
-        if raised_by_fun(e) or "but output was batched" not in str(e):
+        path = batched_none_path(e)
+        if path is None:
             raise
-        match = re.search(r"out_axes\[0\]\[(\d+)\]", str(e))
-        index = int(match.group(1)) if match else len(paths)
+        index = path[1] if len(path) == 2 and path[0] == 0 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise ValueError(
             f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "

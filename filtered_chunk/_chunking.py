@@ -35,6 +35,7 @@ from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec, ChunkFn, ChunkOutput, InputArray
 from ._derivatives import scan_chunks, slice_rest
+from ._jax_compat import varying_axes
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
 
@@ -65,14 +66,8 @@ def _typed_zeros(struct: jax.ShapeDtypeStruct, shape: tuple[int, ...]) -> Array:
         zeros = jnp.zeros(shape, struct.dtype, out_sharding=sharding)
     else:
         zeros = jnp.zeros(shape, struct.dtype)
-    manual = getattr(struct, "manual_axis_type", None)
-    varying = tuple(getattr(manual, "varying", getattr(struct, "vma", ())))
-    if not varying:
-        return zeros
-    pcast = getattr(lax, "pcast", None)
-    if pcast is None:  # jax < 0.8
-        return getattr(lax, "pvary")(zeros, varying)
-    return pcast(zeros, varying, to="varying")
+    varying = varying_axes(struct)
+    return lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def _zeros(struct: jax.ShapeDtypeStruct) -> Array:

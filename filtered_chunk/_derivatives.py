@@ -33,12 +33,10 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-
-# The only way to give an array a weak type (a tangent's, as JAX would).
-from jax._src.lax.lax import _convert_element_type
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec, InputArray
+from ._jax_compat import with_weak_type
 from ._reporting import report_step, Reporter
 
 
@@ -288,9 +286,7 @@ def _typed_like(t: Array, primal: Array) -> Array:
     """`t` with the weak type of `primal`, as JAX gives a tangent."""
     if jax.typeof(t).weak_type == jax.typeof(primal).weak_type:
         return t
-    dtype = jax.typeof(t).dtype
-    out = _convert_element_type(t, dtype, weak_type=jax.typeof(primal).weak_type)
-    return out  # pyright: ignore[reportReturnType]
+    return with_weak_type(t, jax.typeof(primal).weak_type)
 
 
 def _unbatched_tangents(

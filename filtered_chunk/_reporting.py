@@ -20,9 +20,10 @@ for JAX's transformations: it has JAX's unordered debug effect, which `custom_jv
 evaluation keeps it with its known operands only, so reverse mode calls it in the
 forward pass, and a `jax.checkpoint` around the call does not call it again when it
 reruns that pass; under `vmap` its operands are reduced to one element, so an outer
-`vmap` reports once per step. Defining it takes JAX internals (`jax._src`: the
-Python callback emitter, the debug effect, the rules' tables), as
-`jax.debug.callback` itself does; `tests/test_progress.py` exercises each rule.
+`vmap` reports once per step. Its rules go into JAX's public tables
+(`jax.interpreters`); only its lowering takes JAX internals, as
+`jax.debug.callback`'s does (`_jax_compat.lower_host_callback`);
+`tests/test_progress.py` exercises each rule.
 """
 
 import atexit
@@ -34,19 +35,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import jax
 import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax._src import (
-    callback as _callback,
-    debugging as _debugging,
-    named_sharding,
-    sharding_impls,
-)
-from jax._src.interpreters import ad, batching, mlir, partial_eval as pe
+from jax.interpreters import ad, batching, mlir, partial_eval as pe
 from jaxtyping import Array, PyTree
 
+from ._jax_compat import lower_host_callback
 from ._progress import AbstractProgressMeter, is_reporting
 
 
@@ -172,6 +169,9 @@ class Reporter:
 # The primitive: a debug callback with a stable callable and a lean host call.
 progress_p = jex.Primitive("chunk_progress")
 progress_p.multiple_results = True
+# JAX's unordered debug effect: allowed under control flow, `custom_jvp` and
+# `checkpoint`; JAX registers those by the effect's type.
+_debug_effect = jax.debug.DebugEffect()
 
 
 @progress_p.def_impl
@@ -183,7 +183,7 @@ def _impl(*args: Any, callback: Reporter) -> list[Any]:
 @progress_p.def_effectful_abstract_eval
 def _abstract_eval(*avals: Any, callback: Reporter) -> tuple[list[Any], set[Any]]:
     del avals, callback
-    return [], {_debugging.debug_effect}
+    return [], {_debug_effect}
 
 
 def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
@@ -220,43 +220,7 @@ pe.partial_eval_jaxpr_custom_rules[progress_p] = _partial_eval_custom
 
 
 def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
-    axis_context = ctx.module_context.axis_context
-    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-        # Inside `shard_map`, JAX's own debug callback knows how to place it.
-        return _debugging.debug_callback_lowering(
-            ctx,
-            *args,
-            effect=_debugging.debug_effect,
-            partitioned=False,
-            callback=callback,
-        )
-    sharding = None
-    if isinstance(axis_context, sharding_impls.ShardingContext):
-        # Run it once, on the first device, as `jax.debug.callback` does.
-        sharding = sharding_impls.SdyArrayList(
-            (
-                named_sharding.SdyArray(
-                    mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
-                ),
-            )
-        )
-
-    def _host(*flat: Any) -> tuple[()]:
-        callback(*flat)
-        return ()
-
-    _callback.emit_python_callback(
-        ctx,
-        _host,
-        None,
-        list(args),
-        ctx.avals_in,
-        ctx.avals_out,
-        has_side_effect=True,
-        returns_token=False,
-        sharding=sharding,
-    )
-    return []
+    return lower_host_callback(ctx, args, callback, _debug_effect)
 
 
 mlir.register_lowering(progress_p, _lower, platform="cpu")

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 import filtered_chunk as fc
 
@@ -29,15 +30,31 @@ def compiled_bytes(fn: Callable[..., Any], *args: Any) -> int:
     return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
 
 
-def vjp_program(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` and its pullback (of ones) w.r.t. its first argument: what runs when
-    `fn` is differentiated w.r.t. it."""
+def nbytes(tree: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jtu.tree_leaves(tree))
 
-    def _program(p: Any, *rest: Any) -> Any:
-        out, pullback = jax.vjp(lambda _p: fn(_p, *rest), p)
-        return out, pullback(jtu.tree_map(jnp.ones_like, out))
 
-    return _program
+def derivative_bytes(fn: Callable[..., Any], p: Any, *rest: Any) -> int:
+    """What a budget counts for `fn` differentiated w.r.t. its first argument, as
+    `jax.grad`/`jax.linearize` run it: the larger of its pullback of a cotangent
+    and its linearisation applied to a tangent, plus the bytes of that cotangent
+    or tangent. Both are arguments of the compiled program, as a real loss's
+    cotangent is not a constant XLA could fold."""
+    out = jax.eval_shape(fn, p, *rest)
+    ct = jtu.tree_map(lambda o: np.zeros(o.shape, o.dtype), out)
+
+    def _pullback(_ct: Any, _p: Any, *_rest: Any) -> Any:
+        y, pullback = jax.vjp(lambda q: fn(q, *_rest), _p)
+        return y, pullback(_ct)
+
+    def _linearised(_t: Any, _p: Any, *_rest: Any) -> Any:
+        y, push = jax.linearize(lambda q: fn(q, *_rest), _p)
+        return y, push(_t)
+
+    return max(
+        compiled_bytes(_pullback, ct, p, *rest) + nbytes(ct),
+        compiled_bytes(_linearised, p, p, *rest) + nbytes(p),
+    )
 
 
 def next_size_up(batch_size: int, k: int, remainder: str) -> int | None:
@@ -65,3 +82,8 @@ def check_largest(
     up = next_size_up(batch_size, k, remainder)
     if up is not None:
         assert bytes_at(up if up < batch_size else None) > budget
+
+
+def nonlinear_element(x: Any) -> Any:
+    """A `d x d` temporary per element, its output one row of it: non-linear."""
+    return jnp.tanh(jnp.outer(x, x)) @ x

@@ -18,8 +18,15 @@ import pytest
 from hypothesis import given, Phase, settings
 
 import filtered_chunk as fc
+from filtered_chunk._chunk_search import MAX_COMPILATIONS
 
-from .budgets import check_largest, compiled_bytes, memory_analysis, vjp_program
+from .budgets import (
+    check_largest,
+    compiled_bytes,
+    derivative_bytes,
+    memory_analysis,
+    nonlinear_element,
+)
 from .helpers import count_compiles, tree_allclose
 
 
@@ -70,8 +77,8 @@ def _check_workload(w: Any, fraction: float, choices: list[Any]) -> None:
             mapped = fc.filter_chunked_vmap(
                 w.element, in_axes=w.in_axes, out_axes=w.out_axes, chunk_size=k
             )
-            program = vjp_program(mapped) if w.objective == "grad" else mapped
-            _WORKLOAD_BYTES[w.key, k] = compiled_bytes(program, *args)
+            measure = derivative_bytes if w.objective == "grad" else compiled_bytes
+            _WORKLOAD_BYTES[w.key, k] = measure(mapped, *args)
         return _WORKLOAD_BYTES[w.key, k]
 
     budget = int(fraction * bytes_at(None))
@@ -219,3 +226,39 @@ def test_cache_follows_the_program_not_the_function(getkey):
         <= 2**18
     )
     assert tree_allclose(chunked(x), jax.vmap(f)(x))
+
+
+@pytest.mark.parametrize("batch_size", (17, 30, 97))
+def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
+    # Above half the batch, one chunk and the remainder are live at once: the
+    # bytes jump and then fall, not affine in the size (issue 14, item 4).
+    xs = jr.normal(jr.key(1), (batch_size, 64))
+
+    def chunked(k: Any) -> Callable[..., Any]:
+        return fc.filter_chunked_vmap(
+            nonlinear_element, chunk_size=k, remainder="separate"
+        )
+
+    # Every size, or (larger batches) a sample of those above half of it.
+    exhaustive = batch_size < 20
+    step = 3 if batch_size < 50 else 6
+    sizes = (
+        range(1, batch_size + 1)
+        if exhaustive
+        else range(batch_size // 2, batch_size, step)
+    )
+    measured = {
+        k: compiled_bytes(chunked(k if k < batch_size else None), xs)
+        for k in {*sizes, batch_size // 2, batch_size - 1, batch_size}
+    }
+    budgets = [measured[batch_size] - 1, measured[batch_size // 2] + 1]
+    if exhaustive:
+        budgets.append((measured[1] + measured[batch_size // 2]) // 2)
+    for i, budget in enumerate(budgets):
+        with count_compiles() as compiles:
+            choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), xs)
+        # Later budgets reuse the measurements of earlier ones.
+        assert len(compiles) <= len(choice.tried) <= MAX_COMPILATIONS
+        assert i or len(compiles) == len(choice.tried)
+        largest = max(k for k, b in measured.items() if b <= budget)
+        assert choice.chunk_size == largest and choice.bytes == measured[largest]

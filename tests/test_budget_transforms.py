@@ -2,17 +2,27 @@
 choice fits (by the oracle), the result equals the unchunked one, and
 `fc.suggest_chunk_size` reports the same choice."""
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
+from hypothesis import given, Phase, settings
 
 import filtered_chunk as fc
 
-from .budgets import check_largest, compiled_bytes, vjp_program
+from .budgets import (
+    check_largest,
+    compiled_bytes,
+    derivative_bytes,
+    nonlinear_element,
+)
 from .helpers import tree_allclose
 from .transforms import TRANSFORMS
 
@@ -77,7 +87,7 @@ def test_under_grad_the_differentiated_program_fits(choices, getkey):
     p, x = jr.normal(getkey(), (8, 128)), jr.normal(getkey(), (200, 8))
     f = lambda p, x: jnp.tanh(x @ p) @ p.T
     mapped = lambda k: fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=k)  # noqa: E731
-    bytes_at = lambda k: compiled_bytes(vjp_program(mapped(k)), p, x)  # noqa: E731
+    bytes_at = lambda k: derivative_bytes(mapped(k), p, x)  # noqa: E731
     budget = bytes_at(None) // 4
     chunked = mapped(fc.MemoryBudget(budget))
     loss = lambda _p, g: jnp.sum(g(_p, x) ** 2)
@@ -91,6 +101,126 @@ def test_under_grad_the_differentiated_program_fits(choices, getkey):
     assert tree_allclose(
         jax.jit(jax.grad(loss), static_argnums=1)(p, chunked), expected, rtol=1e-4
     )
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_grad_of_a_nonlinear_loss_fits(remainder, choices):
+    # The cotangent of a real loss is not constant: the search must not let XLA
+    # fold it away, as it would an all-ones cotangent (issue 14, item 1).
+    xs = jr.normal(jr.key(0), (29, 48), jnp.float32)
+    g = fc.filter_chunked_vmap(
+        nonlinear_element, chunk_size=fc.MemoryBudget(900_000), remainder=remainder
+    )
+    loss = lambda x: jnp.sum(g(x) ** 2)  # noqa: E731
+    assert compiled_bytes(jax.grad(loss), xs) <= 900_000
+    assert compiled_bytes(jax.value_and_grad(loss), xs) <= 900_000
+    assert choices[0].chunk_size < 29
+    expected = jax.grad(lambda x: jnp.sum(jax.vmap(nonlinear_element)(x) ** 2))(xs)
+    assert tree_allclose(jax.jit(jax.grad(loss))(xs), expected, rtol=1e-4)
+
+
+def test_jvp_fits_or_the_budget_is_too_small():
+    # Forward mode allocates the primal and the tangent outputs (issue 14, item 2).
+    w = jnp.linspace(0, 1, 4096, dtype=jnp.float32)
+    h = lambda x: jnp.tanh(x * w)  # noqa: E731
+    xs = jnp.linspace(0, 1, 256, dtype=jnp.float32)
+    ts = jnp.linspace(-1, 1, 256, dtype=jnp.float32)
+
+    def jvp(budget: int) -> Callable[..., Any]:
+        g = fc.filter_chunked_vmap(h, chunk_size=fc.MemoryBudget(budget))
+        return lambda x, t: jax.jvp(g, (x,), (t,))
+
+    # The two outputs alone are 8 MiB: a budget of 4.3 MB cannot be met.
+    with pytest.raises(ValueError, match="is too small for this call"):
+        jax.jit(jvp(4_300_000))(xs, ts)
+    for budget in (8_500_000, 9_000_000):
+        assert compiled_bytes(jvp(budget), xs, ts) <= budget
+        expected = jax.jvp(jax.vmap(h), (xs,), (ts,))
+        assert tree_allclose(jax.jit(jvp(budget))(xs, ts), expected)
+
+
+_ACTIVATIONS = (jnp.tanh, jnp.sin, jax.nn.softplus, jax.nn.silu)
+_JAX_TRANSFORMATIONS = (
+    "grad",
+    "value_and_grad",
+    "vjp",
+    "jvp",
+    "linearize",
+    "jacrev",
+    "jacfwd",
+    "hessian",
+)
+
+
+def _random_element(activations: tuple[int, ...]) -> Callable[..., Any]:
+    a, b = (_ACTIVATIONS[i] for i in activations)
+
+    def _element(p: Any, x: Any) -> Any:
+        h = a(jnp.outer(x, x) @ p)  # a `width x width` temporary per element
+        return b(h @ x + p[0]) * jnp.mean(p)
+
+    return _element
+
+
+def _user_program(transform: str, g: Callable[..., Any]) -> Callable[..., Any]:
+    """The user's call of `transform` through the chunked map `g(p, xs)`; `v` is
+    the cotangent (`vjp`) or the tangent (`jvp`, `linearize`) they give."""
+    loss = lambda p, xs: jnp.sum(g(p, xs) ** 2)  # noqa: E731
+
+    def _program(p: Any, xs: Any, v: Any) -> Any:
+        of_p = lambda q: g(q, xs)  # noqa: E731
+        if transform == "vjp":
+            y, pullback = jax.vjp(of_p, p)
+            return y, pullback(v)
+        if transform == "jvp":
+            return jax.jvp(of_p, (p,), (v,))
+        if transform == "linearize":
+            y, push = jax.linearize(of_p, p)
+            return y, push(v)
+        if transform == "jacfwd":
+            return jax.jacfwd(of_p)(p)
+        return getattr(jax, transform)(loss)(p, xs)
+
+    return _program
+
+
+# Each example compiles a dozen programs: two per transform and remainder. The
+# case is drawn from the seed, so that even the first (seed 0) is a random one.
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("transform", _JAX_TRANSFORMATIONS)
+@settings(max_examples=2, phases=(Phase.explicit, Phase.generate))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_every_transform_fits_the_budget(transform, remainder, seed):
+    # The memory oracle is the user's own program, compiled with every value
+    # they would vary (parameters, batch, cotangent, tangent) as an argument.
+    combo = (_JAX_TRANSFORMATIONS.index(transform), remainder == "separate")
+    rng = np.random.default_rng([seed, *combo])
+    batch_size, width = int(rng.integers(2, 25)), int(rng.integers(8, 17))
+    where = float(rng.uniform())
+    element = _random_element(tuple(rng.choice(len(_ACTIVATIONS), 2)))
+    p = rng.standard_normal((width, width)).astype(np.float32)
+    xs = rng.standard_normal((batch_size, width)).astype(np.float32)
+    v = rng.standard_normal((batch_size, width) if transform == "vjp" else p.shape)
+    v = v.astype(np.float32)
+
+    def program(chunk_size: Any) -> Callable[..., Any]:
+        g = fc.filter_chunked_vmap(
+            element, in_axes=(None, 0), chunk_size=chunk_size, remainder=remainder
+        )
+        return _user_program(transform, g)
+
+    with pytest.raises(ValueError, match="needs") as info:
+        jax.jit(program(fc.MemoryBudget(1)))(p, xs, v)
+    needs = int(re.search(r"needs (\d+) bytes", str(info.value)).group(1))  # pyright: ignore
+    whole = compiled_bytes(program(None), p, xs, v)
+    budget = int(needs + where * max(whole - needs, needs))
+    compiled = jax.jit(program(fc.MemoryBudget(budget))).lower(p, xs, v).compile()
+    analysis = compiled.memory_analysis()
+    assert analysis is not None
+    assert analysis.temp_size_in_bytes + analysis.output_size_in_bytes <= budget
+    expected = jax.jit(_user_program(transform, jax.vmap(element, in_axes=(None, 0))))
+    actual = compiled(p, xs, v)
+    assert tree_allclose(actual, expected(p, xs, v), rtol=1e-4, atol=1e-5)
 
 
 def test_under_jit_and_vmap(choices, getkey):

@@ -1,0 +1,128 @@
+"""Every line of the package that depends on JAX's version or on JAX's internals.
+
+The rest of the package uses JAX's public API only (`jax.interpreters.*` for the
+rules of a primitive, `jax.extend.core` for jaxprs). What follows has no public
+home, or changed between the JAX versions supported (`MIN_JAX` up to the newest:
+the range is `pyproject.toml`'s), each in one place; `tests/test_jax_compat.py`
+checks each against JAX itself, so that a JAX release that changes one fails
+there, loudly, rather than deep in a call.
+"""
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+from jax._src import (
+    debugging as _debugging,
+    named_sharding as _named_sharding,
+    sharding_impls as _sharding_impls,
+    traceback_util as _traceback_util,
+)
+from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+from jax._src.lax.lax import _convert_element_type
+from jax.interpreters import ad, mlir
+from jaxtyping import Array
+
+
+# The oldest JAX supported: `pyproject.toml` states the same bound, so that pip
+# refuses an older one; this is for an install that bypassed it.
+MIN_JAX = (0, 10, 0)
+if jax.__version_info__ < MIN_JAX:
+    raise ImportError(
+        f"filtered_chunk needs jax>={'.'.join(map(str, MIN_JAX))}, but "
+        f"jax {jax.__version__} is installed: upgrade jax and jaxlib."
+    )
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# Version-dependent: the mesh axes a value varies over inside `shard_map`, which
+# JAX 0.10 moved from `ShapeDtypeStruct.vma` to `.manual_axis_type.varying`.
+def varying_axes(struct: jax.ShapeDtypeStruct) -> tuple[str, ...]:
+    """The manual mesh axes over which values of type `struct` vary."""
+    manual = struct.manual_axis_type
+    return () if manual is None else tuple(manual.varying)
+
+
+# Internal: tracer classes. `jax.interpreters.ad` exports `JVPTracer` only, but
+# `jax.vjp` and `jax.linearize` trace with a `LinearizeTracer`.
+DIFFERENTIATING_TRACERS: tuple[type, ...] = (ad.JVPTracer, _LinearizeTracer)
+
+
+# Internal: `lax.convert_element_type` always gives a strong type; a tangent must
+# have its primal's, which only JAX's private conversion sets.
+def with_weak_type(x: Array, weak_type: bool) -> Array:
+    """`x` with the same values and dtype, weakly typed if `weak_type`."""
+    return _convert_element_type(x, jax.typeof(x).dtype, weak_type=weak_type)  # pyright: ignore[reportReturnType]
+
+
+# Internal: tracebacks. JAX drops the frames of excluded files from the traceback
+# of an exception raised below an API boundary (Equinox excludes its own files).
+def exclude_from_tracebacks(path: str) -> None:
+    """Drops the frames of the files under `path` from JAX's tracebacks."""
+    _traceback_util.register_exclusion(os.path.dirname(path))
+
+
+def api_boundary(fun: _F) -> _F:
+    """JAX filters the tracebacks of exceptions raised below a call of `fun`."""
+    return _traceback_util.api_boundary(fun)
+
+
+# Internal: the text of JAX's error for a batched output at out axis `None`.
+_BATCHED_NONE = re.compile(
+    r"at vmap out_axes((?:\[\d+\])*), got axis spec None but output was batched"
+)
+
+
+def batched_none_output(e: BaseException) -> tuple[int, ...] | None:
+    """If `e` is `jax.vmap`'s error for an output with out axis `None` that varies
+    over the batch, the key path JAX names below `out_axes` (`(0, 2)` for
+    `out_axes[0][2]`); else `None`."""
+    match = _BATCHED_NONE.search(str(e))
+    if match is None:
+        return None
+    return tuple(int(i) for i in re.findall(r"\d+", match.group(1)))
+
+
+# Internal: lowering a host callback. `jax.debug.callback` lowers through the
+# same private functions; `mlir.emit_python_callback` is public, what places it
+# on the devices (its sharding) is not.
+def lower_host_callback(
+    ctx: Any, args: Any, callback: Callable[..., None], effect: Any
+) -> Any:
+    """Lowers a call of `callback(*args)` on the host, returning nothing, with
+    JAX's unordered debug `effect`."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, mlir.SPMDAxisContext):
+        # Inside `shard_map`, JAX's own debug callback knows how to place it.
+        return _debugging.debug_callback_lowering(
+            ctx, *args, effect=effect, partitioned=False, callback=callback
+        )
+    sharding = None
+    if isinstance(axis_context, mlir.ShardingContext):
+        # Run it once, on the first device, as `jax.debug.callback` does.
+        sharding = _sharding_impls.SdyArrayList(
+            (
+                _named_sharding.SdyArray(
+                    mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
+                ),
+            )
+        )
+
+    def _host(*flat: Any) -> tuple[()]:
+        callback(*flat)
+        return ()
+
+    mlir.emit_python_callback(
+        ctx,
+        _host,
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return []

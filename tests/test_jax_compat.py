@@ -1,0 +1,192 @@
+"""Each JAX internal or version-dependent behaviour the package relies on, checked
+against JAX itself (`filtered_chunk/_jax_compat.py`): a JAX release that changes
+one fails here, by name, rather than deep in a chunked call."""
+
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+from typing import Any
+
+import jax
+import jax.core
+import jax.extend.core as jex
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from filtered_chunk import _jax_compat as compat
+
+
+def _lower_bound(requirement: str) -> tuple[int, ...]:
+    match = re.search(r">=\s*([\d.]+)", requirement)
+    assert match, requirement
+    return tuple(int(p) for p in match.group(1).split("."))
+
+
+def test_supported_range_is_pyprojects():
+    root = pathlib.Path(__file__).parent.parent
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    bounds = {
+        re.split(r"[<>=!~\s\[]", dep, maxsplit=1)[0]: dep
+        for dep in project["dependencies"]
+    }
+    # pip refuses an older JAX; the import guard names the same bound.
+    assert _lower_bound(bounds["jax"]) == compat.MIN_JAX
+    assert _lower_bound(bounds["jaxlib"]) == compat.MIN_JAX
+    assert jax.__version_info__ >= compat.MIN_JAX
+
+
+def _shard_mapped(fn: Any) -> Any:
+    """`fn` inside `shard_map` over a one-device mesh axis `i`, on `x` split over it."""
+    mesh = jax.make_mesh((1,), ("i",))
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    return lambda x: mapped(jax.device_put(x, NamedSharding(mesh, P("i"))))
+
+
+def test_older_jax_fails_at_import():
+    # As if pip's constraint had been bypassed: a clear error, not one deep in a call.
+    code = (
+        "import jax; jax.__version_info__ = (0, 9, 2); jax.__version__ = '0.9.2'\n"
+        "import filtered_chunk"
+    )
+    root = pathlib.Path(__file__).parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    bound = ".".join(map(str, compat.MIN_JAX))
+    assert (
+        f"ImportError: filtered_chunk needs jax>={bound}, but jax 0.9.2" in done.stderr
+    )
+
+
+def test_varying_axes_inside_shard_map():
+    seen = {}
+
+    def _body(x: Any) -> Any:
+        seen["varying"] = compat.varying_axes(jax.eval_shape(lambda: x * 2))
+        zeros = lax.pcast(jnp.zeros(3), ("i",), to="varying")
+        seen["cast"] = compat.varying_axes(jax.eval_shape(lambda: zeros))
+        return x + zeros
+
+    np.testing.assert_array_equal(
+        _shard_mapped(_body)(jnp.arange(3.0)), jnp.arange(3.0)
+    )
+    assert seen["varying"] == ("i",)
+    assert seen["cast"] == ("i",)
+    assert compat.varying_axes(jax.ShapeDtypeStruct((3,), jnp.float32)) == ()
+
+
+def test_invariant_value_has_no_varying_axes():
+    seen = {}
+
+    def _body(x: Any) -> Any:
+        seen["axes"] = compat.varying_axes(jax.eval_shape(lambda: jnp.ones(2)))
+        return x
+
+    _shard_mapped(_body)(jnp.ones(2))
+    assert seen["axes"] == ()
+
+
+def _tracer_under(transform: str) -> Any:
+    seen = []
+
+    def f(x):
+        seen.append(x)
+        return jnp.sin(x).sum()
+
+    x = jnp.ones(3)
+    if transform == "grad":
+        jax.grad(f)(x)
+    elif transform == "jvp":
+        jax.jvp(f, (x,), (x,))
+    elif transform == "vjp":
+        jax.vjp(f, x)
+    elif transform == "linearize":
+        jax.linearize(f, x)
+    elif transform == "vmap":
+        jax.vmap(f)(x)
+    else:
+        jax.jit(f)(x)
+    return seen[0]
+
+
+@pytest.mark.parametrize("transform", ["grad", "jvp", "vjp", "linearize"])
+def test_differentiating_tracers(transform):
+    assert isinstance(_tracer_under(transform), compat.DIFFERENTIATING_TRACERS)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jit"])
+def test_other_tracers_do_not_differentiate(transform):
+    tracer = _tracer_under(transform)
+    assert isinstance(tracer, jax.core.Tracer)
+    assert not isinstance(tracer, compat.DIFFERENTIATING_TRACERS)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_with_weak_type(jit):
+    x = jnp.arange(3.0)
+    convert = jax.jit(compat.with_weak_type, static_argnums=1) if jit else None
+    convert = convert or compat.with_weak_type
+    weak = convert(x, True)
+    assert jax.typeof(weak).weak_type and weak.dtype == x.dtype
+    np.testing.assert_array_equal(weak, x)
+    strong = convert(weak, False)
+    assert not jax.typeof(strong).weak_type and strong.dtype == x.dtype
+
+
+def test_batched_none_output_reads_jax_error():
+    x = jnp.ones(3)
+    with pytest.raises(ValueError) as nested:
+        jax.vmap(lambda x: ((1.0, x), x), out_axes=((None, None), 0))(x)
+    assert compat.batched_none_output(nested.value) == (0, 1)
+    with pytest.raises(ValueError) as flat:
+        jax.vmap(lambda x: x, out_axes=None)(x)
+    assert compat.batched_none_output(flat.value) == ()
+    with pytest.raises(ValueError) as other:
+        jax.vmap(lambda x: x, in_axes=2)(x)
+    assert compat.batched_none_output(other.value) is None
+
+
+# A primitive that calls the host through `lower_host_callback`, as the progress
+# primitive does, with the three axis contexts a lowering can meet.
+_calls: list[Any] = []
+_effect = jax.debug.DebugEffect()
+_host_p = jex.Primitive("test_host_callback")
+_host_p.multiple_results = True
+_host_p.def_impl(lambda *args: _calls.append([np.asarray(a) for a in args]) or [])
+_host_p.def_effectful_abstract_eval(lambda *avals: ([], {_effect}))
+mlir.register_lowering(
+    _host_p,
+    lambda ctx, *args: compat.lower_host_callback(
+        ctx, args, lambda *flat: _calls.append([np.asarray(a) for a in flat]), _effect
+    ),
+)
+
+
+def _report(x: Any) -> Any:
+    _host_p.bind(x[:1])
+    return x * 2
+
+
+@pytest.mark.parametrize("where", ["eager", "jit", "shard_map"])
+def test_host_callback_lowering(where):
+    x = jnp.arange(4.0)
+    if where == "eager":
+        fn = _report
+    elif where == "jit":
+        fn = jax.jit(_report)
+    else:
+        fn = jax.jit(_shard_mapped(_report))
+    _calls.clear()
+    out = fn(x)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(out, x * 2)
+    assert len(_calls) == 1
+    np.testing.assert_array_equal(_calls[0][0], x[:1])
