@@ -13,9 +13,18 @@ eager calls of `filter_chunked_vmap(fun, chunk_size=16)` over 64 elements, and
 of `eqx.filter_vmap(fun)` (which compiles nothing it has compiled before, but runs
 op by op). With `--grad`, also `jax.grad` of the sum of each, eagerly: that cannot
 use the cache (its inputs are tracers), so it compiles on every call.
+
+Then the resident memory of a loop that makes a new program on every call, as an
+optimisation or sweep loop does: `c = float(i)` changes, and
+`filter_chunked_vmap(lambda a: a * c + 1.0, chunk_size=16)(x)` is a new program
+each time (`c` is a constant of it; a cached one would return a stale value, which
+is checked). The cache holds 64 programs, so after the first 100 calls the
+resident set must stay flat: `--quick` fails if it grows by more than
+`MAX_GROWTH_KB` per call.
 """
 
 import argparse
+import resource
 import statistics
 import sys
 import time
@@ -109,6 +118,52 @@ def measure(repeats: int, grad: bool) -> list[dict[str, Any]]:
     return rows
 
 
+# Far above the allocator's noise, far below what a program costs (about 1.8 MB).
+MAX_GROWTH_KB = 300
+_FILLED = 100  # calls after which the program cache (64 programs) is full
+
+
+def _resident_mb() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:  # not Linux: the peak, which is as flat as the current
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
+def resident_growth(calls: int) -> dict[str, float]:
+    """Resident memory of `calls` eager calls with a new closure value each."""
+    x = jnp.arange(64.0)
+    filled = 0.0
+    start = time.perf_counter()
+    for i in range(calls):
+        c = float(i)
+        out = fc.filter_chunked_vmap(lambda a: a * c + 1.0, chunk_size=16)(x)
+        if not bool(jnp.all(out == x * c + 1.0)):
+            raise AssertionError(f"call {i} ran a stale program")
+        if i + 1 == _FILLED:
+            filled = _resident_mb()
+    end = _resident_mb()
+    per_call_ms = (time.perf_counter() - start) / calls * 1e3
+    growth_kb = (end - filled) * 2**10 / (calls - _FILLED)
+    return dict(
+        calls=calls, filled=filled, end=end, growth_kb=growth_kb, ms=per_call_ms
+    )
+
+
+def memory_table(row: dict[str, float]) -> str:
+    return "\n".join(
+        (
+            f"| calls, new closure each | resident after {_FILLED} calls (MB) | "
+            "at the end (MB) | growth per call after them (KB) | time per call (ms) |",
+            "|---|---|---|---|---|",
+            f"| {row['calls']:.0f} | {row['filled']:.0f} | {row['end']:.0f} | "
+            f"{row['growth_kb']:.1f} | {row['ms']:.0f} |",
+        )
+    )
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     grad = any("grad_fc_ms" in r for r in rows)
     head = "| construct | compiles per call | fc (ms) | eqx.filter_vmap (ms) |"
@@ -134,11 +189,18 @@ def main() -> int:
     args = parser.parse_args()
     rows = measure(repeats=3 if args.quick else 10, grad=args.grad)
     print(table(rows))
+    memory = resident_growth(calls=_FILLED + 64 if args.quick else 1000)
+    print()
+    print(memory_table(memory))
+    status = 0
     recompiling = [r["name"] for r in rows if r["compiles"] > 0]
     if recompiling:
         print("Recompiled on every eager call:", ", ".join(recompiling))
-        return 1
-    return 0
+        status = 1
+    if memory["growth_kb"] > MAX_GROWTH_KB:
+        print(f"Resident memory grew by more than {MAX_GROWTH_KB} KB per call.")
+        status = 1
+    return status
 
 
 if __name__ == "__main__":

@@ -43,12 +43,30 @@ def _parse_bytes(text: str) -> int:
     match = _SIZE.match(text)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
+        hint = ""
+        if text.strip().lower() == "auto":
+            hint = (
+                " For 80% of the free memory write `chunk_size='auto'` (or "
+                f"`MemoryBudget({AUTO_FRACTION})`)."
+            )
         raise ValueError(
             f"`MemoryBudget({text!r})`: a size string is a number and a unit, such "
             "as `'4GiB'`, `'512MiB'` or `'1.5GB'` (units B, KB, MB, GB, TB and "
-            "KiB, MiB, GiB, TiB)."
+            f"KiB, MiB, GiB, TiB).{hint}"
         )
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _fraction_hint(text: str) -> str:
+    """For a string that reads as a fraction (`'0.5'`, which is zero bytes), the
+    float that means a fraction of the free memory; else nothing."""
+    try:
+        fraction = float(text)
+    except ValueError:
+        return ""
+    if not 0 < fraction <= 1:
+        return ""
+    return f" For a fraction of the free memory write `MemoryBudget({fraction!r})`."
 
 
 class MemoryBudget(eqx.Module):
@@ -128,8 +146,9 @@ class MemoryBudget(eqx.Module):
         else:
             self.bytes, self.fraction = operator.index(size), None
         if self.bytes is not None and self.bytes < 1:
+            hint = _fraction_hint(size) if isinstance(size, str) else ""
             raise ValueError(
-                f"`MemoryBudget(size)` must be at least one byte, got {size!r}."
+                f"`MemoryBudget(size)` must be at least one byte, got {size!r}.{hint}"
             )
 
     def __repr__(self) -> str:
@@ -152,6 +171,22 @@ class MemoryBudget(eqx.Module):
 ChunkSizeSpec: TypeAlias = int | SupportsIndex | Literal["auto"] | MemoryBudget | None
 
 
+def _string_hint(text: str) -> str:
+    """The `chunk_size` a string most likely meant, only where that one works:
+    `'auto'` for any spelling of it, an integer for digits (`'3'` as a budget
+    would be 3 bytes), a budget for a size with a unit."""
+    if text.strip().lower() == "auto":
+        return " Write `chunk_size='auto'` (lower case)."
+    if text.strip().isdecimal() and int(text) > 0:
+        return f" For chunks of {int(text)} elements write `chunk_size={int(text)}`."
+    match = _SIZE.match(text)
+    if match is None or not match.group(2) or match.group(2).lower() not in _UNITS:
+        return ""
+    if _parse_bytes(text) < 1:
+        return ""
+    return f" For a memory budget write `chunk_size=fc.MemoryBudget({text!r})`."
+
+
 def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | None":
     """`chunk_size` as the transforms hold it, or the error for a bad one."""
     if chunk_size is None or isinstance(chunk_size, MemoryBudget):
@@ -161,8 +196,8 @@ def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | Non
             return MemoryBudget(AUTO_FRACTION)
         raise ValueError(
             f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, "
-            f"`'auto'` or a `filtered_chunk.MemoryBudget`, got {chunk_size!r}. For a "
-            f"memory budget write `chunk_size=fc.MemoryBudget({chunk_size!r})`."
+            f"`'auto'` or a `filtered_chunk.MemoryBudget`, got "
+            f"{chunk_size!r}.{_string_hint(chunk_size)}"
         )
     is_bool = isinstance(chunk_size, bool | np.bool_)
     if not is_bool and getattr(type(chunk_size), "__index__", None) is None:

@@ -15,7 +15,9 @@ Remainder: TypeAlias = Literal["overlap", "separate"]
 CheckpointSpec: TypeAlias = bool | Callable[..., Any]
 REMAINDERS: tuple[str, ...] = ("overlap", "separate")
 # A mapped input as the caller passed it: a NumPy array stays one until a chunk is
-# sliced out of it (under an outer `jit` it is a constant, not a tracer).
+# sliced out of it (under an outer `jit` it is a constant, not a tracer). So is
+# what JAX hands a derivative rule: the primals and tangents of an eager call as
+# the caller gave them, and a zero tangent JAX made (a NumPy subclass).
 InputArray: TypeAlias = Array | np.ndarray
 # The mesh axis name (or names) a batch is split over, as `jax.vmap` takes it.
 SpmdAxisName: TypeAlias = str | tuple[str, ...] | None

@@ -96,7 +96,7 @@ class _Loop(eqx.Module):
 
         return jtu.tree_map(_slice, self.in_axes, inputs)
 
-    def split(self, x: Array, axis: int) -> Array:
+    def split(self, x: InputArray, axis: int) -> Array:
         """The chunk of `x` that each step reads, stacked on a new leading axis."""
         whole = self.num_whole * self.chunk_size
         shape = x.shape[:axis] + (self.num_whole, self.chunk_size) + x.shape[axis + 1 :]
@@ -247,7 +247,7 @@ def _run_jvp(
     return (buffers, unbatched), (t_buffers, t_unbatched)
 
 
-def _strong(t: Array) -> Array:
+def _strong(t: InputArray) -> InputArray:
     """`t` with a strong type. Transposing `_Loop.split` (slices) gives a strongly
     typed cotangent; converting first makes the transpose convert it back, so that
     a gradient w.r.t. a weakly typed input is weak, as under `jax.vmap`."""
@@ -257,13 +257,17 @@ def _strong(t: Array) -> Array:
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _slice_rest(x: Array, start: int, size: int, axis: int) -> Array:
+def _slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
     return lax.slice_in_dim(x, start, start + size, axis=axis)
 
 
 @_slice_rest.defjvp
 def _slice_rest_jvp(
-    start: int, size: int, axis: int, primals: tuple[Array], tangents: tuple[Array]
+    start: int,
+    size: int,
+    axis: int,
+    primals: tuple[InputArray],
+    tangents: tuple[InputArray],
 ) -> tuple[Array, Array]:
     (x,), (t,) = primals, tangents
     return _slice_rest(x, start, size, axis), _slice_rest(_strong(t), start, size, axis)
@@ -278,7 +282,7 @@ def slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
     return lax.slice_in_dim(x, start, start + size, axis=axis)
 
 
-def _typed_like(t: Array, primal: Array) -> Array:
+def _typed_like(t: InputArray, primal: InputArray) -> InputArray:
     """`t` with the weak type of `primal`, as JAX gives a tangent."""
     if jax.typeof(t).weak_type == jax.typeof(primal).weak_type:
         return t
@@ -289,11 +293,11 @@ def _unbatched_tangents(
     step: Callable[..., Any],
     fn: ArraysFn,
     t_fn: Any,
-    inputs: PyTree[Array],
+    inputs: PyTree[InputArray],
     t_chunks: PyTree[Array | None],
     unbatched: PyTree[Array],
     loop: _Loop,
-) -> PyTree[Array | None]:
+) -> PyTree[InputArray | None]:
     """The tangents of the unbatched outputs, from the first step alone.
 
     Every step computes the same unbatched outputs, and the loop returns the last

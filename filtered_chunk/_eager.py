@@ -30,14 +30,17 @@ gradient in `jax.jit` (or `eqx.filter_jit`) to compile it once.
 
 Outputs that the trace did not compute (a NumPy value `fun` returns with
 `out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does:
-only traced outputs go through the compiled program. The program runs under
-`eqx.filter_jit`, so that `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it
-does under `eqx.filter_jit`.
+only traced outputs go through the compiled program. Each cached program is a
+`jax.jit` of its own, freed when the cache drops it, so that a loop making a new
+program per call (a Python scalar that changes) holds at most the cache's
+programs; `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it does under
+`eqx.filter_jit`.
 """
 
 import collections
 import dataclasses
 import functools as ft
+import logging
 import types
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -48,6 +51,7 @@ import jax.core
 import jax.extend.core as jex
 import jax.tree_util as jtu
 import numpy as np
+from jax.errors import JaxRuntimeError
 from jaxtyping import PyTree
 
 
@@ -196,15 +200,18 @@ def _trace(
         out = fn(eqx.combine(jtu.tree_unflatten(treedef, _leaves), static))
         out_leaves, out_treedef = jtu.tree_flatten(out)
         traced = [isinstance(x, jax.core.Tracer) for x in out_leaves]
-        found[:] = [out_leaves, out_treedef, traced]
+        # Only what the trace did not compute outlives it: a tracer kept here
+        # would keep the trace alive (`jax.checking_leaks` reports it).
+        kept = [None if t else x for x, t in zip(out_leaves, traced)]
+        found[:] = [kept, out_treedef, traced]
         return [x for x, t in zip(out_leaves, traced) if t]
 
     closed = jax.make_jaxpr(_traced)(*leaves)
 
     def _rebuild(outputs: list[Any]) -> Any:
-        out_leaves, out_treedef, traced = found
+        kept, out_treedef, traced = found
         computed = iter(outputs)
-        merged = [next(computed) if t else x for x, t in zip(out_leaves, traced)]
+        merged = [next(computed) if t else x for x, t in zip(kept, traced)]
         return jtu.tree_unflatten(out_treedef, merged)
 
     return closed, leaves, _rebuild
@@ -222,8 +229,42 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
         return fn(tree)  # no reliable key (an unhashable value): run op by op
     compiled = _programs.pop(key, None)
     if compiled is None:
-        compiled = eqx.filter_jit(ft.partial(_evaluate, closed.jaxpr))
+        # A `jax.jit` of its own: JAX keeps the executable as long as the jitted
+        # function lives, so evicting the entry frees it. (Every `eqx.filter_jit`
+        # of a non-function shares one `jax.jit`, whose cache holds each program
+        # it ran, about 1.8 MB each, far beyond this cache: benchmarks/eager.py.)
+        compiled = jax.jit(ft.partial(_evaluate, closed.jaxpr))
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
         _programs.popitem(last=False)
-    return rebuild(compiled(list(closed.consts), leaves))
+    return rebuild(_run(compiled, list(closed.consts), leaves))
+
+
+class _QuietCallbackErrors(logging.Filter):
+    """Drops JAX's log record of a failed callback, as `eqx.filter_jit` does: the
+    error it logs is the one raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        failed = record.getMessage() == "jax.pure_callback failed"
+        return not (record.name == "jax._src.callback" and failed)
+
+
+_EQX_MARK = "_EquinoxRuntimeError: "
+
+
+def _run(compiled: Callable[..., Any], consts: list[Any], leaves: list[Any]) -> Any:
+    """Runs a program and waits for it, raising `eqx.error_if`'s errors as
+    `eqx.filter_jit` does: an `eqx.EquinoxRuntimeError` with the message."""
+    logger = logging.getLogger("jax._src.callback")
+    quiet = _QuietCallbackErrors()
+    logger.addFilter(quiet)
+    try:
+        return jax.block_until_ready(compiled(consts, leaves))
+    except (JaxRuntimeError, ValueError) as e:
+        text = str(e)
+        if _EQX_MARK not in text:
+            raise
+        message = text.split(_EQX_MARK, 1)[1].split("\n\n\n-----", 1)[0]
+        raise eqx.EquinoxRuntimeError(message) from None
+    finally:
+        logger.removeFilter(quiet)

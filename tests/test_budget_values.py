@@ -3,6 +3,7 @@ free memory, and the errors for bad budgets and bad chunk sizes on every builder
 
 import re
 
+import jax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -71,6 +72,33 @@ def test_bad_budgets(size, cls, match):
         fc.MemoryBudget(size)
 
 
+@pytest.mark.parametrize(
+    "size, hint",
+    (
+        ("auto", r"write `chunk_size='auto'` \(or `MemoryBudget\(0\.8\)`\)\.$"),
+        ("AUTO", r"write `chunk_size='auto'` \(or `MemoryBudget\(0\.8\)`\)\.$"),
+        ("0.5", r"got '0\.5'\. For a fraction of .* `MemoryBudget\(0\.5\)`\.$"),
+    ),
+)
+def test_bad_budget_hints(size, hint):
+    with pytest.raises(ValueError, match=hint):
+        fc.MemoryBudget(size)
+
+
+@pytest.mark.parametrize("text", ("AUTO", " Auto ", "3", "4GiB", "512 MiB", "1.5GB"))
+def test_chunk_size_hints_work(text):
+    """Every `chunk_size=...` a message suggests builds a transform that runs."""
+    with pytest.raises(ValueError) as info:
+        fc.filter_chunked_vmap(jnp.sin, chunk_size=text)
+    suggested = re.findall(r"`chunk_size=([^`]+)`", str(info.value))
+    assert suggested, str(info.value)
+    x = jnp.linspace(0.0, 1.0, 7)
+    for code in suggested:
+        chunk_size = eval(code, {"fc": fc})
+        chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=chunk_size)
+        assert tree_allclose(chunked(x), jax.vmap(jnp.sin)(x))
+
+
 @pytest.mark.parametrize("name", TRANSFORMS)
 @pytest.mark.parametrize(
     "chunk_size, cls, match",
@@ -94,6 +122,20 @@ def test_bad_budgets(size, cls, match):
             r"got '4GiB'\. For a memory budget write "
             r"`chunk_size=fc.MemoryBudget\('4GiB'\)`\.",
         ),
+        (
+            "AUTO",
+            ValueError,
+            r"got 'AUTO'\. Write `chunk_size='auto'` \(lower case\)\.$",
+        ),
+        (
+            "3",
+            ValueError,
+            r"got '3'\. For chunks of 3 elements write `chunk_size=3`\.$",
+        ),
+        # No hint where nothing that works is likely meant.
+        ("0", ValueError, r"got '0'\.$"),
+        ("0MiB", ValueError, r"got '0MiB'\.$"),
+        ("fast", ValueError, r"got 'fast'\.$"),
     ),
 )
 def test_bad_chunk_sizes(name, chunk_size, cls, match):

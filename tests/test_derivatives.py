@@ -2,13 +2,16 @@
 memory: rematerialised chunks, linear reverse mode, accumulated parameter
 cotangents."""
 
+import itertools
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import jax.tree_util as jtu
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -279,3 +282,65 @@ def test_derivatives_keep_weak_types(batch_size, remainder):
         weak = lambda t: jtu.tree_map(lambda a: jax.typeof(a).weak_type, t)
         assert weak(actual) == weak(expected)
     assert jax.typeof(grads[1]).weak_type
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_numpy_primals_and_tangents_reach_the_rules(remainder):
+    # Outside `jit`, `jax.grad`/`jax.jvp` hand the derivative rules the caller's
+    # NumPy arrays (and JAX's own zero tangents, a NumPy subclass); the package
+    # runs type-checked under pytest.
+    s = np.array([[0.1], [0.2], [0.3]])
+    f = lambda s: jnp.sum(jnp.sin(s))
+    chunked = fc.filter_chunked_vmap(f, chunk_size=2, remainder=remainder)
+    loss = lambda g: lambda s: jnp.sum(g(s))
+    expected = jax.grad(loss(jax.vmap(f)))(s)
+    assert tree_allclose(jax.grad(loss(chunked))(s), expected)
+    tangent = np.cos(s)
+    expected = jax.jvp(jax.vmap(f), (s,), (tangent,))
+    assert tree_allclose(jax.jvp(chunked, (s,), (tangent,)), expected)
+
+
+def _weak_types(tree: Any) -> list[bool]:
+    return [jax.typeof(t).weak_type for t in jtu.tree_leaves(tree)]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 14 item 5, open: the loop's own linear steps (the split of "
+    "mapped tangents, the scan's sum of unmapped cotangents) decide a cotangent's "
+    "weak type, where JAX takes it from the chunk function's transpose",
+)
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_weak_types_of_derivatives_match_jax(remainder):
+    # The whole grid: weak or strong, mapped `x` or unmapped `p`, grad, vjp with
+    # a strong cotangent, and jvp, against `eqx.filter_vmap`.
+    funs = (
+        lambda p, x: jnp.tanh(x @ jnp.diag(p)),  # a transpose that keeps no weak type
+        lambda p, x: p * x,  # one that keeps its operand's
+    )
+    full = lambda weak, shape: (
+        lax.broadcast(jnp.asarray(0.7), shape) if weak else jnp.full(shape, 0.7, float)
+    )
+    wrong = []
+    for f, p_weak, x_weak in itertools.product(funs, (False, True), (False, True)):
+        p, x = full(p_weak, (3,)), full(x_weak, (2 * CHUNK + 1, 3))
+        results = []
+        for g in (
+            eqx.filter_vmap(f, in_axes=(None, 0)),
+            fc.filter_chunked_vmap(
+                f, in_axes=(None, 0), chunk_size=CHUNK, remainder=remainder
+            ),
+        ):
+            out, pullback = jax.vjp(g, p, x)
+            results.append(
+                (
+                    jax.grad(lambda p, x: jnp.sum(g(p, x)), (0, 1))(p, x),
+                    pullback(jnp.ones(out.shape, out.dtype)),
+                    jax.jvp(g, (p, x), (p, x))[1],
+                )
+            )
+        expected, actual = results
+        assert tree_allclose(actual, expected)  # the values are right
+        if _weak_types(actual) != _weak_types(expected):
+            wrong.append((f, p_weak, x_weak, _weak_types(actual)))
+    assert not wrong

@@ -1,6 +1,8 @@
 """Eager (outside `jit`) chunked calls: what they return, raise and compile."""
 
 import functools as ft
+import gc
+import weakref
 
 import equinox as eqx
 import jax
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 import filtered_chunk as fc
+import filtered_chunk._eager as eager_module
 
 from .helpers import count_compiles, tree_allclose
 from .transforms import JACOBIANS, TRANSFORMS
@@ -217,3 +220,53 @@ def test_callbacks_never_write_into_a_previous_calls_objects():
         out = fc.filter_chunked_vmap(fun, chunk_size=2)(x)
         assert tree_allclose(out, x * 2)
         assert len(log) >= 5 and np.all(buffer != 0.0)
+
+
+_LEAK_BUILDERS = (
+    ft.partial(fc.filter_chunked_vmap, remainder="overlap"),
+    ft.partial(fc.filter_chunked_vmap, remainder="separate"),
+    fc.filter_chunked_apply,
+    fc.chunked_jacrev,
+    fc.chunked_jacfwd,
+    fc.filter_chunked_jacrev,
+    fc.filter_chunked_jacfwd,
+)
+
+
+@pytest.mark.parametrize("builder", _LEAK_BUILDERS, ids=range(len(_LEAK_BUILDERS)))
+def test_eager_calls_leak_no_tracer(builder):
+    # Users debug their own leaks under `jax.checking_leaks`: the eager path (its
+    # trace, its program cache) must keep no tracer alive after a call.
+    x = jnp.arange(10.0)
+    f = lambda a: (jnp.sin(a) * 2.0, "static")
+    chunked = builder(lambda a: f(a)[0], chunk_size=3)
+    expected = builder(lambda a: f(a)[0], chunk_size=None)(x)
+    with jax.checking_leaks():
+        for _ in range(2):  # a program compiled, then one from the cache
+            assert tree_allclose(chunked(x), expected)
+            out, static = fc.filter_chunked_vmap(f, chunk_size=3)(x)
+            assert static == "static"
+        jax.jvp(chunked, (x,), (x,))
+        jax.vmap(chunked)(jnp.stack([x, x + 1.0]))
+        jax.jit(chunked)(x)
+
+
+def test_evicted_programs_are_freed(monkeypatch):
+    # A loop making a new program per call (a closed-over Python scalar that
+    # changes) must hold no more programs than the cache: what holds a compiled
+    # program goes with its entry (benchmarks/eager.py measures the memory).
+    monkeypatch.setattr(eager_module, "_MAX_PROGRAMS", 2)
+    x = jnp.arange(8.0)
+
+    def call(c: float) -> jax.Array:
+        return fc.filter_chunked_vmap(lambda a: a * c, chunk_size=3)(x)
+
+    assert tree_allclose(call(0.5), x * 0.5)
+    newest = next(reversed(eager_module._programs.values()))
+    program = weakref.ref(getattr(newest, "__wrapped__").args[0])  # its jaxpr
+    del newest
+    for c in (1.5, 2.5, 3.5):  # each a new program: the first is evicted
+        assert tree_allclose(call(c), x * c)  # never a stale value
+    gc.collect()
+    assert program() is None
+    assert len(eager_module._programs) == 2
