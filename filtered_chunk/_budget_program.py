@@ -32,11 +32,10 @@ from typing import Any
 import jax
 import jax.core
 import jax.numpy as jnp
-from jax._src.ad_util import Zero
-from jax._src.interpreters import ad, batching
+
+from ._jax_compat import transformations_tracing
 
 
-_LINEARIZE = getattr(ad, "LinearizeTracer", ad.JVPTracer)
 Program = Callable[[list[Any]], list[Any]]
 
 
@@ -54,34 +53,11 @@ def _inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(jax.typeof(x).dtype, jnp.inexact))
 
 
-def _tangent_batch(x: Any) -> int | None:
-    """How many tangents a `JVPTracer` carries at once: a `jacfwd` basis is a
-    `vmap` of the tangent only (an outer `vmap` batches the primal too)."""
-    t = x.tangent
-    if not isinstance(t, batching.BatchTracer) or not isinstance(t.batch_dim, int):
-        return None
-    primal = x.primal
-    if isinstance(primal, batching.BatchTracer) and primal._trace is t._trace:
-        return None
-    return int(jax.typeof(t.val).shape[t.batch_dim])
-
-
 def _chain(x: Any) -> list[tuple[Any, str, int | None]]:
     """The transformations tracing `x`, innermost first, as `(trace, kind, batch)`."""
-    found: list[tuple[Any, str, int | None]] = []
     if not isinstance(x, jax.core.Tracer) or not _inexact(x):
-        return found
-    while isinstance(x, jax.core.Tracer):
-        if isinstance(x, _LINEARIZE) and _LINEARIZE is not ad.JVPTracer:
-            found.append((x._trace, "reverse", None))
-            x = x.primal
-        elif isinstance(x, ad.JVPTracer):
-            if not isinstance(x.tangent, Zero):
-                found.append((x._trace, "forward", _tangent_batch(x)))
-            x = x.primal
-        else:  # an outer `vmap` (per element), `jit` or another transformation
-            x = getattr(x, "val", None)
-    return found
+        return []
+    return transformations_tracing(x)
 
 
 def layers_of(leaves: list[Any]) -> tuple[Layer, ...]:

@@ -21,6 +21,7 @@ from jax._src import (
     traceback_util as _traceback_util,
 )
 from jax._src.interpreters.ad import LinearizeTracer as _LinearizeTracer
+from jax._src.interpreters.batching import BatchTracer as _BatchTracer
 from jax._src.lax.lax import _convert_element_type
 from jax.interpreters import ad, mlir
 from jaxtyping import Array
@@ -45,9 +46,40 @@ def varying_axes(struct: jax.ShapeDtypeStruct) -> tuple[str, ...]:
     return () if manual is None else tuple(manual.varying)
 
 
-# Internal: tracer classes. `jax.interpreters.ad` exports `JVPTracer` only, but
-# `jax.vjp` and `jax.linearize` trace with a `LinearizeTracer`.
-DIFFERENTIATING_TRACERS: tuple[type, ...] = (ad.JVPTracer, _LinearizeTracer)
+# Internal: tracer classes and their fields. `jax.interpreters.ad` exports
+# `JVPTracer` only, but `jax.grad`, `jax.vjp` and `jax.linearize` trace with a
+# `LinearizeTracer`; an outer `vmap`'s `BatchTracer` is not exported either.
+def _tangent_batch(x: Any) -> int | None:
+    """How many tangents a `JVPTracer` carries at once: a `jacfwd` basis is a
+    `vmap` of the tangent only (an outer `vmap` batches the primal too)."""
+    t = x.tangent
+    if not isinstance(t, _BatchTracer) or not isinstance(t.batch_dim, int):
+        return None
+    primal = x.primal
+    if isinstance(primal, _BatchTracer) and primal._trace is t._trace:
+        return None
+    return int(jax.typeof(t.val).shape[t.batch_dim])
+
+
+def transformations_tracing(x: Any) -> list[tuple[Any, str, int | None]]:
+    """The differentiating transformations tracing `x`, innermost first, each as
+    `(trace, kind, batch)`: `kind` is `"reverse"` for a `LinearizeTracer`
+    (`jax.grad`, `vjp`, `linearize`, `jacrev`) and `"forward"` for a `JVPTracer`
+    with a nonzero tangent (`jax.jvp`, `jacfwd`), whose `batch` is how many
+    tangents it pushes at once (else `None`). Other tracers (`vmap`, `jit`) are
+    looked through."""
+    found: list[tuple[Any, str, int | None]] = []
+    while isinstance(x, jax.core.Tracer):
+        if isinstance(x, _LinearizeTracer):
+            found.append((x._trace, "reverse", None))
+            x = x.primal
+        elif isinstance(x, ad.JVPTracer):
+            if not isinstance(x.tangent, ad.Zero):
+                found.append((x._trace, "forward", _tangent_batch(x)))
+            x = x.primal
+        else:
+            x = getattr(x, "val", None)
+    return found
 
 
 # Internal: `lax.convert_element_type` always gives a strong type; a tangent must

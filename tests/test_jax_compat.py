@@ -116,16 +116,43 @@ def _tracer_under(transform: str) -> Any:
     return seen[0]
 
 
-@pytest.mark.parametrize("transform", ["grad", "jvp", "vjp", "linearize"])
-def test_differentiating_tracers(transform):
-    assert isinstance(_tracer_under(transform), compat.DIFFERENTIATING_TRACERS)
+@pytest.mark.parametrize(
+    "transform, kind",
+    [("grad", "reverse"), ("vjp", "reverse"), ("linearize", "reverse")]
+    + [("jvp", "forward")],
+)
+def test_transformations_tracing(transform, kind):
+    [(trace, found, batch)] = compat.transformations_tracing(_tracer_under(transform))
+    assert (found, batch) == (kind, None)
+    assert trace is not None
 
 
-@pytest.mark.parametrize("transform", ["vmap", "jit"])
-def test_other_tracers_do_not_differentiate(transform):
-    tracer = _tracer_under(transform)
-    assert isinstance(tracer, jax.core.Tracer)
-    assert not isinstance(tracer, compat.DIFFERENTIATING_TRACERS)
+def test_transformations_tracing_counts_a_jacfwd_basis():
+    seen = []
+
+    def f(x):
+        seen.append(x)
+        return jnp.sin(x)
+
+    jax.jacfwd(f)(jnp.ones(5))
+    assert [c[1:] for c in compat.transformations_tracing(seen[0])] == [("forward", 5)]
+
+
+def test_transformations_tracing_looks_through_vmap_and_jit():
+    for transform in ("vmap", "jit"):
+        tracer = _tracer_under(transform)
+        assert isinstance(tracer, jax.core.Tracer)
+        assert compat.transformations_tracing(tracer) == []
+    seen = []
+
+    def f(x):
+        seen.append(x)
+        return jnp.sin(x).sum()
+
+    jax.vmap(jax.grad(f))(jnp.ones((2, 3)))
+    assert [c[1:] for c in compat.transformations_tracing(seen[0])] == [
+        ("reverse", None)
+    ]
 
 
 @pytest.mark.parametrize("jit", [False, True])
