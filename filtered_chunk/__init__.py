@@ -4,7 +4,6 @@ from ._apply import filter_chunked_apply as filter_chunked_apply
 from ._budget import (
     ChunkSizeChoice as ChunkSizeChoice,
     MemoryBudget as MemoryBudget,
-    suggest_chunk_size as suggest_chunk_size,
 )
 from ._chunked_vmap import filter_chunked_vmap as filter_chunked_vmap
 from ._filter_jacobian import (
@@ -21,6 +20,7 @@ from ._progress import (
     TextProgressMeter as TextProgressMeter,
     TqdmProgressMeter as TqdmProgressMeter,
 )
+from ._suggest import suggest_chunk_size as suggest_chunk_size
 
 
 __version__ = importlib.metadata.version("filtered_chunk")

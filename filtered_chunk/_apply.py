@@ -1,6 +1,5 @@
 """`filter_chunked_apply`: call an already vectorised function on chunks of a batch."""
 
-import dataclasses
 import functools as ft
 from collections.abc import Callable
 from typing import Any, overload
@@ -16,44 +15,37 @@ from beartype import beartype
 from jaxtyping import jaxtyped, PyTree
 
 from ._axes import (
-    batch_size_of,
-    bind_arguments,
-    check_spec,
+    batched_none_path,
     describe,
     is_array,
-    normalise_in_axes,
-    raised_by_fun,
     resolve_axes,
     run_tagged,
 )
-from ._boundary import api_boundary, keyword_only
-from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
-from ._chunk_search import choose_chunk_size
-from ._chunking import (
-    check_chunking,
-    CheckpointSpec,
-    ChunkOutput,
-    ChunkSize,
-    run_in_chunks,
-)
+from ._boundary import deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
+    CheckpointSpec,
+    ChunkOutput,
+    is_none,
     keep_untraced,
     Remainder,
     sentinel,
     unwrap_kept,
 )
-from ._eager import call_compiled, is_traced
-from ._jax_compat import batched_none_output
-from ._progress import AbstractProgressMeter, check_meter, is_reporting
-from ._reporting import closing_on_error
+from ._progress import AbstractProgressMeter
+from ._wrapper import (
+    AbstractMappedPlan,
+    Batch,
+    Bound,
+    ChunkOptions,
+    ChunkSizeSpec,
+    Fun,
+    run_batch,
+    wrap,
+)
 
 
 _API = "filter_chunked_apply"
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def _out_axes(
@@ -82,7 +74,7 @@ def _out_axes(
         return axis % len(shape)
 
     axes = resolve_axes(out, out_axes, "out_axes")
-    return jtu.tree_map_with_path(_check, axes, out, is_leaf=_is_none)
+    return jtu.tree_map_with_path(_check, axes, out, is_leaf=is_none)
 
 
 def _chunk_fn(
@@ -97,8 +89,8 @@ def _chunk_fn(
     _args, _kwargs = eqx.combine(mapped, static)
     out = fun(*_args, **_kwargs)
     axes = _out_axes(out, out_axes, size)
-    is_unbatched = jtu.tree_map(_is_none, axes, is_leaf=_is_none)
-    unbatched, batched = eqx.partition(out, is_unbatched, is_leaf=_is_none)
+    is_unbatched = jtu.tree_map(is_none, axes, is_leaf=is_none)
+    unbatched, batched = eqx.partition(out, is_unbatched, is_leaf=is_none)
     unbatched_arrays, rest = eqx.partition(unbatched, is_array)
     # What no trace computed is returned as it is, as `fun` returned it.
     unbatched_arrays, kept = keep_untraced(unbatched_arrays)
@@ -232,8 +224,8 @@ def _check_unbatched(
     try:
         jax.eval_shape(jax.vmap(_unbatched, out_axes=None), structs)
     except ValueError as e:
-        path = batched_none_output(e)
-        if raised_by_fun(e) or path is None:
+        path = batched_none_path(e)
+        if path is None:
             raise
         index = path[0] if len(path) == 1 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
@@ -245,114 +237,35 @@ def _check_unbatched(
         ) from None
 
 
-class _ChunkedApplyWrapper(eqx.Module):
-    _fun: Callable[..., Any]
-    _in_axes: PyTree[AxisSpec]
-    _out_axes: PyTree[AxisSpec]
-    _chunk_size: ChunkSize
-    _remainder: str
-    _checkpoint: CheckpointSpec
-    _progress_meter: AbstractProgressMeter | None = None
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self._fun
-
-    def _bind(self, args: Any, kwargs: Any) -> tuple[Any, Any, int | None]:
-        """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
-        signature; each leaf's resolved axis; the batch size (`None` if nothing
-        is mapped)."""
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        return tree, in_axes, batch_size_of(tree, in_axes, None, _API)
-
-    @property
-    def _budget(self) -> MemoryBudget | None:
-        return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
-
-    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
-        """The chunk size the budget allows for these arguments (`None` when
-        there is no batch to split)."""
-        assert self._budget is not None
-        tree, in_axes, batch_size = self._bind(args, kwargs)
-        if not batch_size:
-            return None
-
-        def _run(k: int | None, closed: Any) -> Any:
-            wrapper, _tree = closed
-            wrapper = dataclasses.replace(wrapper, _chunk_size=k)
-            return wrapper._call(_tree, in_axes, batch_size)
-
-        return choose_chunk_size(
-            _run,
-            (self, tree),
-            batch_size=batch_size,
-            budget=self._budget,
-            remainder=self._remainder,
-            options=(self._remainder, self._checkpoint),
-            api=_API,
-        )
-
-    @api_boundary
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if self._budget is not None:
-            choice = self._choose(args, kwargs)
-            k = None if choice is None else choice.chunk_size
-            return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
-        if is_reporting(self._progress_meter):
-            with closing_on_error():  # a failed call closes its meter
-                return self._dispatch(args, kwargs)
-        return self._dispatch(args, kwargs)
-
-    def _dispatch(self, args: Any, kwargs: Any) -> Any:
-        tree, in_axes, batch_size = self._bind(args, kwargs)
-        if batch_size is None:
-            return self._fun(*tree[0], **tree[1])  # nothing to split
-        if self._chunked(batch_size) and not is_traced((self, tree)):
-            # An eager `lax.scan` recompiles on every call: see `_eager.py`.
-            # The axes are resolved here, once, on the caller's leaves: inside,
-            # every array is a tracer.
-            return call_compiled(
-                lambda _tree: self._call(_tree, in_axes, batch_size), tree
-            )
-        return self._call(tree, in_axes, batch_size)
-
-    def _chunked(self, batch_size: int) -> bool:
-        assert not isinstance(self._chunk_size, MemoryBudget)
-        return self._chunk_size is not None and self._chunk_size < batch_size
-
-    def _call(self, tree: Any, in_axes: Any, batch_size: int) -> Any:
-        is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
-        static, mapped = eqx.partition(tree, is_unmapped)
-        chunk_fn = ft.partial(_chunk_fn, self._fun, self._out_axes, static)
-        if not self._chunked(batch_size):
-            out = chunk_fn(mapped, batch_size)
-        else:
-            assert isinstance(self._chunk_size, int)
-            _check_contract(chunk_fn, mapped, in_axes, self._chunk_size)
-            out = run_in_chunks(
-                chunk_fn,
-                mapped,
-                in_axes,
-                batch_size=batch_size,
-                chunk_size=self._chunk_size,
-                remainder=self._remainder,
-                checkpoint=self._checkpoint,
-                progress_meter=self._progress_meter,
-                api=_API,
-            )
+class _ApplyPlan(AbstractMappedPlan):
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
+    ) -> Any:
+        if bound.batch_size is None:
+            return fun(*bound.tree[0], **bound.tree[1])  # nothing to split
+        is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
+        static, mapped = eqx.partition(bound.tree, is_unmapped)
+        chunk = ft.partial(_chunk, self.out_axes)
+        check = ft.partial(_check, chunk, bound.in_axes)
+        closed, size = (fun, static), bound.batch_size
+        batch = Batch(chunk, closed, mapped, bound.in_axes, size, check=check)
+        out = run_batch(batch, chunk_size, options)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
+
+def _chunk(out_axes: Any, closed: Any, mapped: Any, size: int) -> ChunkOutput:
+    fun, static = closed
+    return _chunk_fn(fun, out_axes, static, mapped, size)
+
+
+def _check(
+    chunk: Callable[..., ChunkOutput],
+    in_axes: Any,
+    closed: Any,
+    mapped: Any,
+    chunk_size: int,
+) -> None:
+    _check_contract(ft.partial(chunk, closed), mapped, in_axes, chunk_size)
 
 
 @overload
@@ -442,10 +355,7 @@ def filter_chunked_apply(
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save.
     - `progress_meter`: keyword-only. Reports the elements done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. Only a call split into chunks
+        runs, also under `jax.jit`: {meters} Only a call split into chunks
         reports. See the [guide on progress][progress].
 
     **Returns:**
@@ -477,33 +387,6 @@ def filter_chunked_apply(
         ```
     """
     if fun is sentinel:
-        return ft.partial(
-            filter_chunked_apply,  # pyright: ignore[reportCallIssue]
-            in_axes=in_axes,
-            out_axes=out_axes,
-            chunk_size=chunk_size,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-        )
-    chunk_size = _check_arguments(in_axes, out_axes, chunk_size, remainder)
-    check_meter(progress_meter, _API)
-    wrapper = _ChunkedApplyWrapper(
-        _fun=fun,
-        _in_axes=in_axes,
-        _out_axes=out_axes,
-        _chunk_size=chunk_size,
-        _remainder=remainder,
-        _checkpoint=checkpoint,
-        _progress_meter=progress_meter,
-    )
-    return eqx.module_update_wrapper(wrapper)
-
-
-def _check_arguments(
-    in_axes: Any, out_axes: Any, chunk_size: Any, remainder: str
-) -> ChunkSize:
-    chunk_size = check_chunking(chunk_size, remainder, _API)
-    check_spec(in_axes, "in_axes")
-    check_spec(out_axes, "out_axes")
-    return chunk_size
+        return deferred(filter_chunked_apply, locals())
+    options = ChunkOptions(_API, chunk_size, remainder, checkpoint, progress_meter)
+    return wrap(fun, _ApplyPlan(in_axes, out_axes), options)

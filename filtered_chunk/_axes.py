@@ -10,11 +10,8 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._custom_types import AxisSpec, ResolvedAxisSpec
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
+from ._custom_types import AxisSpec, is_none, ResolvedAxisSpec
+from ._jax_compat import batched_none_output
 
 
 def is_array(x: Any) -> bool:
@@ -45,6 +42,13 @@ def run_tagged(fun: Callable[..., Any], *args: Any) -> Any:
 def raised_by_fun(e: BaseException) -> bool:
     """Whether `run_tagged` saw `e` come out of the function it ran."""
     return getattr(e, _FROM_FUN, False)
+
+
+def batched_none_path(e: BaseException) -> tuple[int, ...] | None:
+    """If `e` is a transform's own `jax.vmap` refusing an output with out axis
+    `None` that varies over the batch (not an error `fun` raised), the key path
+    JAX names below `out_axes`; else `None`."""
+    return None if raised_by_fun(e) else batched_none_output(e)
 
 
 def describe(argname: str, path: tuple[Any, ...]) -> str:
@@ -103,7 +107,7 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
     """Checks, when the transform is built, that a spec holds only valid leaves."""
     # `spec` is the user's, still unchecked: annotated `Any` so that a runtime type
     # checker leaves the (value) error to this function.
-    for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=_is_none):
+    for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=is_none):
         if leaf is None or callable(leaf):
             continue
         if isinstance(leaf, bool) and argname == "in_axes":
@@ -123,7 +127,7 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
 
 def _is_prefix(spec: PyTree[Any], tree: PyTree[Any]) -> bool:
     try:
-        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
     except ValueError:
         return False
     return True
@@ -134,7 +138,7 @@ def resolve_axes(
 ) -> PyTree[ResolvedAxisSpec]:
     """Evaluates the prefix `spec` on every leaf of `tree`, as `eqx.filter_vmap`."""
     try:
-        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=_is_none)
+        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
     except ValueError as e:
         shown, target = spec, "the output" if argname == "out_axes" else "the inputs"
         if argname == "in_axes" and isinstance(spec, tuple) and len(spec) == 2:
@@ -153,7 +157,7 @@ def resolve_axes(
 
         return jtu.tree_map_with_path(_leaf, subtree)
 
-    return jtu.tree_map_with_path(_subtree, spec, tree, is_leaf=_is_none)
+    return jtu.tree_map_with_path(_subtree, spec, tree, is_leaf=is_none)
 
 
 def normalise_in_axes(
@@ -192,7 +196,7 @@ def normalise_in_axes(
             )
         return axis % ndim
 
-    return jtu.tree_map_with_path(_check, axes, tree, is_leaf=_is_none)
+    return jtu.tree_map_with_path(_check, axes, tree, is_leaf=is_none)
 
 
 def batch_size_of(

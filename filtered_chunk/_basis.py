@@ -13,8 +13,6 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from ._axes import is_array
-from ._chunking import CheckpointSpec, ChunkOutput, run_in_chunks
-from ._progress import AbstractProgressMeter
 
 
 Argnums = int | Sequence[int]
@@ -145,32 +143,6 @@ def basis(tree: Any, index: Int[Array, " size"]) -> Any:
 
     leaves, treedef = jtu.tree_flatten(tree)
     return jtu.tree_unflatten(treedef, list(map(_unit, starts, leaves)))
-
-
-def in_chunks(
-    chunk_fn: Callable[[Int[Array, " size"], int], ChunkOutput],
-    total: int,
-    chunk_size: int | None,
-    remainder: str,
-    checkpoint: CheckpointSpec,
-    progress_meter: AbstractProgressMeter | None = None,
-    api: str = "",
-) -> ChunkOutput:
-    """`chunk_fn` over the indices `0, ..., total - 1`, in chunks."""
-    indices = jnp.arange(total)
-    if chunk_size is None or chunk_size >= total:
-        return chunk_fn(indices, total)
-    return run_in_chunks(
-        chunk_fn,
-        indices,
-        0,
-        batch_size=total,
-        chunk_size=chunk_size,
-        remainder=remainder,
-        checkpoint=checkpoint,
-        progress_meter=progress_meter,
-        api=api,
-    )
 
 
 def without_float0(tree: Any, axis_last: bool) -> tuple[Any, tuple[int, ...]]:

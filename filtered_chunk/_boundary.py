@@ -10,6 +10,10 @@ arguments and shows the call to write instead.
 the frames of excluded files from a traceback, and the package's folder is
 excluded here, as Equinox excludes its own files: an error inside `fun` then shows
 no frame of this library, as under `equinox.filter_vmap`.
+
+The builders' docstrings share text: `{meters}` stands for the progress meters a
+`progress_meter` argument takes, filled in by `keyword_only` (so that `help()` and
+the API docs show it).
 """
 
 import functools as ft
@@ -24,6 +28,13 @@ from ._jax_compat import api_boundary as api_boundary, exclude_from_tracebacks
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 exclude_from_tracebacks(__file__)
+
+_SHARED_DOCS = {
+    "{meters}": "`None` or `filtered_chunk.NoProgressMeter()` (the default: nothing, "
+    "at no cost), `filtered_chunk.TextProgressMeter()`, "
+    "`filtered_chunk.TqdmProgressMeter()`, or a subclass of "
+    "`filtered_chunk.AbstractProgressMeter`.",
+}
 
 
 def _call_text(
@@ -48,6 +59,12 @@ def _public_signature(builder: Callable[..., Any]) -> inspect.Signature:
             # As a string: shown as written, not as `collections.abc.Callable`.
             return signature.replace(return_annotation="Callable[..., Any]")
     return inspect.signature(builder)
+
+
+def deferred(builder: Callable[..., Any], arguments: dict[str, Any]) -> Any:
+    """`builder` waiting for `fun`, with the other `arguments` (a builder's
+    `locals()`, its parameters): the decorator form `builder(...)(fun)`."""
+    return ft.partial(builder, **{k: v for k, v in arguments.items() if k != "fun"})
 
 
 def keyword_only(
@@ -78,6 +95,8 @@ def keyword_only(
         # Introspection (`help`, `inspect.signature`, the API docs) stops here and
         # shows the public signature rather than the implementation's.
         del _builder.__wrapped__  # pyright: ignore[reportAttributeAccessIssue]
+        for name, text in _SHARED_DOCS.items():
+            _builder.__doc__ = (_builder.__doc__ or "").replace(name, text)
         _builder.__signature__ = _public_signature(builder)  # pyright: ignore[reportAttributeAccessIssue]
         return _builder  # pyright: ignore[reportReturnType]
 

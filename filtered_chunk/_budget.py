@@ -1,17 +1,13 @@
 """Memory budgets as a `chunk_size`: `MemoryBudget`, `"auto"`, what the device has
-free, and `suggest_chunk_size`. The search for the chunk size is in
-`_chunk_search.py`."""
+free, and what a search reports (`ChunkSizeChoice`). The search for the chunk size
+is in `_chunk_search.py`; `suggest_chunk_size` in `_suggest.py`."""
 
 import math
 import operator
 import re
-from collections.abc import Callable
 from typing import Any, Literal, SupportsIndex, TypeAlias
 
 import equinox as eqx
-import jax
-import jax.core
-import jax.tree_util as jtu
 import numpy as np
 
 from ._free_memory import available_bytes
@@ -250,74 +246,3 @@ class ChunkSizeChoice(eqx.Module):
     bytes: int
     budget: int
     tried: tuple[tuple[int, int], ...]
-
-
-def suggest_chunk_size(fun: Callable[..., Any], /, *args: Any, **kwargs: Any):
-    """Reports the chunk size a chunked transform built with a memory budget would
-    choose for these arguments, without running anything.
-
-    **Arguments:**
-
-    - `fun`: a chunked transform whose `chunk_size` is a
-        [`filtered_chunk.MemoryBudget`][] or `"auto"`, as built by
-        [`filtered_chunk.filter_chunked_vmap`][], `filter_chunked_apply`,
-        `chunked_jacrev`, `chunked_jacfwd`, `filter_chunked_jacrev` or
-        `filter_chunked_jacfwd`.
-    - `*args`, `**kwargs`: what `fun` would be called with. Arrays may be given as
-        `jax.ShapeDtypeStruct`s: only their shapes and dtypes are used. (Give
-        the arrays themselves for a batch split over devices: their sharding
-        makes the budget and `chunk_size` per device.)
-
-    **Returns:**
-
-    A [`filtered_chunk.ChunkSizeChoice`][]: the chosen `chunk_size`, its measured
-    `bytes`, the `budget` in bytes, and the `(chunk_size, bytes)` pairs `tried`.
-    The search is the one a call makes (for the program without differentiation),
-    and shares its cache: the call compiles nothing more to choose.
-
-    !!! example
-
-        ```python
-        import jax
-        import jax.numpy as jnp
-        import filtered_chunk as fc
-
-        def f(x):
-            return jnp.sum(jnp.tanh(jnp.outer(x, x)))
-
-        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("16MiB"))
-        xs = jax.ShapeDtypeStruct((100_000, 256), jnp.float32)
-        choice = fc.suggest_chunk_size(chunked, xs)
-        print(choice.chunk_size, choice.bytes, choice.tried)
-        assert choice.bytes <= choice.budget == 16 * 2**20
-        # Fix the number once: a plain `chunk_size` searches nothing.
-        fixed = fc.filter_chunked_vmap(f, chunk_size=choice.chunk_size)
-        ```
-    """
-    if isinstance(fun, eqx.Partial):  # a bound method: `self` comes first
-        args, fun = (*fun.args, *args), fun.func
-    choose = getattr(fun, "_choose", None)
-    budget = getattr(fun, "_budget", None)
-    if choose is None or not isinstance(budget, MemoryBudget):
-        raise TypeError(
-            "`suggest_chunk_size(fun, ...)` takes a chunked transform built with a "
-            "memory budget, such as `fc.filter_chunked_vmap(f, "
-            "chunk_size=fc.MemoryBudget('4GiB'))` or `chunk_size='auto'`, got "
-            f"{fun!r}."
-        )
-    found: list[ChunkSizeChoice | None] = []
-
-    def _choose(_args: Any, _kwargs: Any) -> None:
-        found.append(choose(_args, _kwargs))
-
-    is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
-    if any(map(is_struct, jtu.tree_leaves((args, kwargs)))):
-        eqx.filter_eval_shape(_choose, args, kwargs)
-    else:
-        _choose(args, kwargs)  # concrete arrays keep their sharding
-    if found[0] is None:
-        raise ValueError(
-            "`suggest_chunk_size`: the call has no batch to split (nothing is "
-            "mapped, or the batch is empty), so there is no chunk size to choose."
-        )
-    return found[0]

@@ -1,11 +1,13 @@
-import dataclasses
+"""`filter_chunked_vmap`: `equinox.filter_vmap`, evaluated `chunk_size` elements
+at a time. Its plan binds the arguments with their axes, maps `fun` over each chunk
+with `jax.vmap` and moves the outputs to their out axes."""
+
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import equinox as eqx
 import jax
-import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -14,53 +16,38 @@ from equinox.internal import Static
 from jaxtyping import jaxtyped, PyTree
 
 from ._axes import (
-    batch_size_of,
-    bind_arguments,
-    check_spec,
+    batched_none_path,
     describe,
     is_array,
-    normalise_in_axes,
-    raised_by_fun,
     resolve_axes,
     run_tagged,
 )
-from ._boundary import api_boundary, keyword_only
-from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
-from ._chunk_search import choose_chunk_size
-from ._chunking import (
-    check_chunking,
-    CheckpointSpec,
-    ChunkOutput,
-    ChunkSize,
-    run_in_chunks,
-)
-from ._collectives import collectives_over
+from ._boundary import deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
+    CheckpointSpec,
+    ChunkOutput,
+    is_none,
     keep_untraced,
     Remainder,
     sentinel,
+    SpmdAxisName,
     unwrap_kept,
 )
-from ._eager import call_compiled, is_traced
-from ._jax_compat import batched_none_output
-from ._progress import AbstractProgressMeter, check_meter, is_reporting
-from ._reporting import closing_on_error
-from ._sharding import (
-    BatchSharding,
-    check_collectives,
-    check_spmd_axis_name,
-    find_batch_sharding,
-    run_sharded,
-    SpmdAxisName,
+from ._progress import AbstractProgressMeter
+from ._wrapper import (
+    AbstractMappedPlan,
+    Batch,
+    Bound,
+    ChunkOptions,
+    ChunkSizeSpec,
+    Fun,
+    run_batch,
+    wrap,
 )
 
 
 _API = "filter_chunked_vmap"
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def _split_output(
@@ -96,207 +83,36 @@ def _split_output(
             )
         return axis % ndim
 
-    axes = jtu.tree_map_with_path(_check, axes, out, is_leaf=_is_none)
-    is_unmapped = jtu.tree_map(_is_none, axes, is_leaf=_is_none)
-    unmapped, mapped = eqx.partition(out, is_unmapped, is_leaf=_is_none)
+    axes = jtu.tree_map_with_path(_check, axes, out, is_leaf=is_none)
+    is_unmapped = jtu.tree_map(is_none, axes, is_leaf=is_none)
+    unmapped, mapped = eqx.partition(out, is_unmapped, is_leaf=is_none)
     unmapped_arrays, unmapped_static = eqx.partition(unmapped, is_array)
     return mapped, unmapped_arrays, Static((unmapped_static, axes))
 
 
-class _ChunkedVmapWrapper(eqx.Module):
-    _fun: Callable[..., Any]
-    _in_axes: PyTree[AxisSpec]
-    _out_axes: PyTree[AxisSpec]
-    _chunk_size: ChunkSize
-    _axis_name: Hashable | None
-    _axis_size: int | None
-    _remainder: str
-    _checkpoint: CheckpointSpec
-    _spmd_axis_name: SpmdAxisName = None
-    _progress_meter: AbstractProgressMeter | None = None
+class _VmapPlan(AbstractMappedPlan):
+    sharded: ClassVar[bool] = True
 
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self._fun
-
-    def _bind(self, args: Any, kwargs: Any) -> tuple[Any, Any, int | None]:
-        """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
-        signature; each leaf's resolved axis; the batch size (`None` if nothing
-        is mapped)."""
-        args, kwargs, spec = bind_arguments(
-            self._fun, self._in_axes, args, kwargs, eqx.if_array(0), _API
-        )
-        tree = (args, kwargs)
-        in_axes = normalise_in_axes(
-            tree, resolve_axes(tree, spec, "in_axes"), "in_axes"
-        )
-        return tree, in_axes, batch_size_of(tree, in_axes, self._axis_size, _API)
-
-    @property
-    def _budget(self) -> MemoryBudget | None:
-        return self._chunk_size if isinstance(self._chunk_size, MemoryBudget) else None
-
-    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
-        """The chunk size the budget allows for these arguments (`None` when
-        there is no batch to split)."""
-        assert self._budget is not None
-        tree, in_axes, batch_size = self._bind(args, kwargs)
-        sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-        if not batch_size:
-            return None
-        # `chunk_size` counts elements per device.
-        per_device = batch_size // (1 if sharding is None else sharding.num_devices)
-        if not per_device:
-            return None
-
-        def _run(k: int | None, closed: Any) -> Any:
-            wrapper, _tree = closed
-            wrapper = dataclasses.replace(wrapper, _chunk_size=k)
-            return wrapper._call(_tree, in_axes, batch_size, sharding)
-
-        return choose_chunk_size(
-            _run,
-            (self, tree),
-            batch_size=per_device,
-            budget=self._budget,
-            remainder=self._remainder,
-            options=(self._remainder, self._checkpoint, self._axis_name),
-            api=_API,
-        )
-
-    @api_boundary
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if self._budget is not None:
-            choice = self._choose(args, kwargs)
-            k = None if choice is None else choice.chunk_size
-            return dataclasses.replace(self, _chunk_size=k)(*args, **kwargs)
-        if is_reporting(self._progress_meter):
-            with closing_on_error():  # a failed call closes its meter
-                return self._dispatch(args, kwargs)
-        return self._dispatch(args, kwargs)
-
-    def _dispatch(self, args: Any, kwargs: Any) -> Any:
-        tree, in_axes, batch_size = self._bind(args, kwargs)
-        chunked = (
-            batch_size is not None
-            and isinstance(self._chunk_size, int)
-            and self._chunk_size < batch_size
-        )
-        if chunked and not is_traced((self, tree)):
-            # An eager `lax.scan` recompiles on every call: see `_eager.py`. Once
-            # traced, the inputs' shardings are hidden, so look at them now.
-            # The axes are resolved here, once, on the caller's leaves (as
-            # `eqx.filter_vmap` does): inside, every array is a tracer.
-            sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-            return call_compiled(
-                lambda _tree: self._call(_tree, in_axes, batch_size, sharding), tree
-            )
-        return self._call(tree, in_axes, batch_size)
-
-    def _call(
-        self,
-        tree: Any,
-        in_axes: Any,
-        batch_size: int | None,
-        sharding: BatchSharding | None = None,
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
     ) -> Any:
-        is_unmapped = jtu.tree_map(_is_none, in_axes, is_leaf=_is_none)
-        static, mapped = eqx.partition(tree, is_unmapped)
-        _element = ft.partial(_evaluate, self._fun, self._out_axes, static)
-        if batch_size is None:
+        is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
+        static, mapped = eqx.partition(bound.tree, is_unmapped)
+        if bound.batch_size is None:
             out_mapped, out_unmapped, out_static = _evaluate(
-                self._fun, self._out_axes, static, mapped, batch_known=False
+                fun, self.out_axes, static, mapped, batch_known=False
             )
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
-        if sharding is None:
-            sharding = find_batch_sharding(tree, in_axes, self._spmd_axis_name, _API)
-        chunk_size = self._chunk_size
-        assert not isinstance(chunk_size, MemoryBudget)  # chosen in `__call__`
-        one_chunk = chunk_size is None or chunk_size >= batch_size
-        if sharding is not None and check_collectives(
-            _element,
+        batch = Batch(
+            ft.partial(_chunk, self.out_axes, bound.in_axes, options.axis_name),
+            (fun, static),
             mapped,
-            in_axes,
-            self._axis_name,
-            sharding,
-            batch_size,
-            _API,
-            one_chunk=one_chunk,
-        ):
-            # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes
-            # the collective across the devices.
-            sharding = None
-        if sharding is None:
-            out = self._run(static, in_axes, mapped, batch_size)
-        else:
-            # Each device chunks its own shard: see `_sharding.py`.
-            out = run_sharded(
-                ft.partial(_run_local, in_axes),
-                (self, static),
-                ft.partial(_chunk_fn, _element, in_axes, self._axis_name),
-                mapped,
-                in_axes,
-                batch_size=batch_size,
-                sharding=sharding,
-                api=_API,
-            )
+            bound.in_axes,
+            bound.batch_size,
+            element=ft.partial(_element, self.out_axes),
+        )
+        out = run_batch(batch, chunk_size, options, bound.sharding)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
-
-    def _run(
-        self, static: Any, in_axes: Any, mapped: Any, batch_size: int
-    ) -> ChunkOutput:
-        """One `vmap` of the whole batch, or a scan over its chunks."""
-        element = ft.partial(_evaluate, self._fun, self._out_axes, static)
-        chunk_fn = ft.partial(_chunk_fn, element, in_axes, self._axis_name)
-        chunk_size = self._chunk_size
-        assert not isinstance(chunk_size, MemoryBudget)
-        if chunk_size is None or chunk_size >= batch_size:
-            return chunk_fn(mapped, batch_size)
-        self._check_collectives(element, mapped, in_axes, chunk_size, batch_size)
-        return run_in_chunks(
-            chunk_fn,
-            mapped,
-            in_axes,
-            batch_size=batch_size,
-            chunk_size=chunk_size,
-            remainder=self._remainder,
-            checkpoint=self._checkpoint,
-            progress_meter=self._progress_meter,
-            api=_API,
-        )
-
-    def _check_collectives(
-        self,
-        element: Callable[..., Any],
-        mapped: Any,
-        in_axes: Any,
-        chunk_size: int,
-        batch_size: int,
-    ) -> None:
-        if self._axis_name is None:
-            return
-        structs = jtu.tree_map(_element_struct, in_axes, mapped)
-        arrays = lambda m: eqx.filter(element(m)[:2], is_array)  # noqa: E731
-        found = collectives_over(
-            arrays, structs, self._axis_name, batch_size, chunk_size
-        )
-        if found:
-            num_steps = -(-batch_size // chunk_size)
-            raise ValueError(
-                f"`{_API}(..., axis_name={self._axis_name!r})`: the function uses the "
-                f"collective(s) {', '.join(f'`{c}`' for c in found)} over "
-                f"{self._axis_name!r}, but the batch of {batch_size} is split into "
-                f"{num_steps} chunks of `chunk_size={chunk_size}`, so it would only "
-                "see one chunk at a time. Either use `chunk_size=None` (or at least "
-                "the batch size), or move the collective out of the mapped function "
-                "(for example, reduce the mapped output afterwards)."
-            )
-
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
 
 
 def _evaluate(
@@ -311,19 +127,23 @@ def _evaluate(
     return _split_output(fun(*_args, **_kwargs), out_axes, batch_known)
 
 
-def _run_local(
-    in_axes: Any, closed: tuple[_ChunkedVmapWrapper, Any], mapped: Any, size: int
+def _element(out_axes: Any, closed: Any, mapped: Any) -> tuple[Any, Any]:
+    """The arrays of `fun` on one element: what the collective check traces."""
+    fun, static = closed
+    return _evaluate(fun, out_axes, static, mapped)[:2]
+
+
+def _chunk(
+    out_axes: Any,
+    in_axes: Any,
+    axis_name: Hashable | None,
+    closed: Any,
+    mapped: Any,
+    size: int,
 ) -> ChunkOutput:
-    """`_ChunkedVmapWrapper._run` with the arrays it closes over passed in, so that
-    `shard_map` sees them as inputs (closing over tracers breaks its transpose)."""
-    wrapper, static = closed
-    return wrapper._run(static, in_axes, mapped, size)
-
-
-def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
-    shape = list(np.shape(x))
-    del shape[axis]
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.asarray(x).dtype)
+    fun, static = closed
+    element = ft.partial(_evaluate, fun, out_axes, static)
+    return _chunk_fn(element, in_axes, axis_name, mapped, size)
 
 
 def _chunk_fn(
@@ -354,8 +174,8 @@ def _chunk_fn(
     try:
         unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
     except ValueError as e:
-        path = batched_none_output(e)
-        if raised_by_fun(e) or path is None:
+        path = batched_none_path(e)
+        if path is None:
             raise
         index = path[1] if len(path) == 2 and path[0] == 0 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
@@ -483,10 +303,7 @@ def filter_chunked_vmap(
         must then be a multiple of the number of devices. Defaults to `None`. See
         the guide on [sharded and multi-host use][sharded-and-multi-host-use].
     - `progress_meter`: keyword-only. Reports the elements done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. Only a call split into chunks
+        runs, also under `jax.jit`: {meters} Only a call split into chunks
         reports. See the [guide on progress][progress]. With a sharded batch, one
         meter counts every device's elements.
 
@@ -532,48 +349,14 @@ def filter_chunked_vmap(
     [eqx-filter-vmap]: https://docs.kidger.site/equinox/api/transformations/#equinox.filter_vmap
     """
     if fun is sentinel:
-        return ft.partial(
-            filter_chunked_vmap,  # pyright: ignore[reportCallIssue]
-            in_axes=in_axes,
-            out_axes=out_axes,
-            chunk_size=chunk_size,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            spmd_axis_name=spmd_axis_name,
-            progress_meter=progress_meter,
-        )
-    chunk_size = _check_arguments(in_axes, out_axes, chunk_size, axis_size, remainder)
-    check_spmd_axis_name(spmd_axis_name, _API)
-    check_meter(progress_meter, _API)
-    wrapper = _ChunkedVmapWrapper(
-        _fun=fun,
-        _in_axes=in_axes,
-        _out_axes=out_axes,
-        _chunk_size=chunk_size,
-        _axis_name=axis_name,
-        _axis_size=axis_size,
-        _remainder=remainder,
-        _checkpoint=checkpoint,
-        _spmd_axis_name=spmd_axis_name,
-        _progress_meter=progress_meter,
+        return deferred(filter_chunked_vmap, locals())
+    options = ChunkOptions(
+        _API,
+        chunk_size,
+        remainder,
+        checkpoint,
+        progress_meter,
+        axis_name,
+        spmd_axis_name,
     )
-    return eqx.module_update_wrapper(wrapper)
-
-
-def _check_arguments(
-    in_axes: Any,
-    out_axes: Any,
-    chunk_size: Any,
-    axis_size: int | None,
-    remainder: str,
-) -> ChunkSize:
-    chunk_size = check_chunking(chunk_size, remainder, _API)
-    # `axis_size` is checked where it is used, as by `jax.vmap`: a negative one
-    # is inconsistent with a mapped input (`ValueError`) or cannot be broadcast to
-    # (`TypeError`), and a bool is the int it is.
-    del axis_size
-    check_spec(in_axes, "in_axes")
-    check_spec(out_axes, "out_axes")
-    return chunk_size
+    return wrap(fun, _VmapPlan(in_axes, out_axes, axis_size), options)

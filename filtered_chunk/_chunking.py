@@ -24,7 +24,7 @@ concatenating the scanned part with the remainder copies every output (as
 """
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -33,24 +33,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._budget import MemoryBudget, normalise_chunk_size
-from ._custom_types import CheckpointSpec as CheckpointSpec, InputArray, REMAINDERS
+from ._custom_types import CheckpointSpec, ChunkFn, ChunkOutput, InputArray
 from ._derivatives import scan_chunks, slice_rest
 from ._jax_compat import varying_axes
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
-
-
-class ChunkOutput(NamedTuple):
-    batched: PyTree[Array]
-    batched_axes: tuple[int, ...]
-    unbatched: PyTree[Array]
-    static: Any
-
-
-ChunkFn = Callable[[PyTree[InputArray], int], ChunkOutput]
-# What a transform holds: a fixed chunk size, none, or a budget to choose one.
-ChunkSize = int | MemoryBudget | None
 
 
 def slice_inputs(
@@ -129,19 +116,6 @@ def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
     """
     num_steps = -(-batch_size // chunk_size)
     return -(-batch_size // num_steps)
-
-
-def check_chunking(chunk_size: Any, remainder: str, api: str) -> ChunkSize:
-    """Checks, when a transform is built, the arguments every chunked one takes,
-    and returns `chunk_size` as the transform holds it (an `int`, `None`, or a
-    `MemoryBudget`, which `"auto"` becomes)."""
-    chunk_size = normalise_chunk_size(chunk_size, api)
-    if remainder not in REMAINDERS:
-        raise ValueError(
-            f"`{api}(..., remainder=...)` must be one of {REMAINDERS}, got "
-            f"{remainder!r}."
-        )
-    return chunk_size
 
 
 def _convert(

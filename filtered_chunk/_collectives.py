@@ -1,4 +1,11 @@
-"""Finding collectives over the mapped axis, which chunking would make per-chunk."""
+"""Finding collectives over the mapped axis, which chunking would make per-chunk.
+
+[`check_collectives`][] is the one place where a call decides what a collective
+over `axis_name` means for its schedule: nothing (no collective, or one `vmap` of
+the whole batch), one `vmap` of the whole batch on a batch split over devices
+(XLA computes the collective across them), or the one error, when the batch would
+be split into chunks.
+"""
 
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
@@ -10,6 +17,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
+
+from ._sharding import BatchSharding
 
 
 def _subjaxprs(value: Any) -> Iterator[Any]:
@@ -127,3 +136,62 @@ def _depends_on_size(
         return str(trace(other)) != jaxpr
     except Exception:  # any failure at another size depends on the size
         return True
+
+
+def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
+    """One element of the mapped leaf `x`: its shape without `axis`."""
+    shape = list(np.shape(x))
+    del shape[axis]
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+
+
+def check_collectives(
+    element: Callable[[PyTree[Any]], Any],
+    mapped: PyTree[Any],
+    in_axes: PyTree[int | None],
+    axis_name: Hashable | None,
+    *,
+    batch_size: int,
+    chunk_size: int | None,
+    sharding: BatchSharding | None,
+    api: str,
+) -> bool:
+    """Whether the batch must be evaluated in one `vmap` because `element` (`fun`
+    on one element, returning its arrays) uses collectives over `axis_name`.
+
+    A batch of one chunk (`chunk_size` `None` or at least `batch_size`) is never
+    checked on one device, and is evaluated whole when split over devices and a
+    collective is found (`True`). A batch split into chunks, or into per-device
+    shards that would be chunked, with a collective raises: chunking would make
+    the collective per-chunk (or per-shard) and silently change the result.
+    """
+    one_chunk = chunk_size is None or chunk_size >= batch_size
+    if axis_name is None or (sharding is None and one_chunk):
+        return False
+    structs = jtu.tree_map(element_struct, in_axes, mapped)
+    if sharding is None:
+        other_size = chunk_size
+        num_steps = -(-batch_size // chunk_size)  # pyright: ignore[reportOperatorIssue]
+        split = (
+            f"the batch of {batch_size} is split into {num_steps} chunks of "
+            f"`chunk_size={chunk_size}`, so it would only see one chunk at a time"
+        )
+    else:
+        other_size = max(1, batch_size // sharding.num_devices)
+        split = (
+            f"the batch is split over the mesh axes {sharding.axis_names!r}, so "
+            "each device would only see its own shard when chunking it"
+        )
+    assert other_size is not None
+    arrays = lambda m: eqx.filter(element(m), eqx.is_array)  # noqa: E731
+    found = collectives_over(arrays, structs, axis_name, batch_size, other_size)
+    if found and not one_chunk:
+        raise ValueError(
+            f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
+            f"collective(s) {', '.join(f'`{c}`' for c in found)} over "
+            f"{axis_name!r}, but {split}. Use `chunk_size=None` (or at least the "
+            f"batch size, {batch_size}) to evaluate the whole batch in one `vmap`, "
+            "or move the collective out of the mapped function (for example, "
+            "reduce the mapped output afterwards)."
+        )
+    return bool(found)

@@ -1,11 +1,11 @@
 from collections.abc import Callable
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, NamedTuple, TypeAlias
 
 import jax
 import jax.core
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, PyTree
 
 
 ResolvedAxisSpec: TypeAlias = int | None
@@ -19,6 +19,27 @@ REMAINDERS: tuple[str, ...] = ("overlap", "separate")
 # what JAX hands a derivative rule: the primals and tangents of an eager call as
 # the caller gave them, and a zero tangent JAX made (a NumPy subclass).
 InputArray: TypeAlias = Array | np.ndarray
+# The mesh axis name (or names) a batch is split over, as `jax.vmap` takes it.
+SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
+
+
+class ChunkOutput(NamedTuple):
+    """What a chunk function returns (see `_chunking.py`)."""
+
+    batched: PyTree[Array]
+    batched_axes: tuple[int, ...]
+    unbatched: PyTree[Array]
+    static: Any
+
+
+# A chunk function: the mapped inputs sliced to `size` elements, and `size`.
+ChunkFn: TypeAlias = Callable[[PyTree[InputArray], int], ChunkOutput]
+
+
+def is_none(x: Any) -> bool:
+    """Whether `x` is `None`: the `is_leaf` of trees of axes, where `None` is a
+    leaf (unmapped) rather than an empty subtree."""
+    return x is None
 
 
 class _Sentinel:

@@ -35,17 +35,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._custom_types import CheckpointSpec, InputArray
+from ._custom_types import CheckpointSpec, InputArray, is_none
 from ._jax_compat import with_weak_type
 from ._reporting import report_step, Reporter
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
 WriteFn = Callable[[list[Array], list[Array], Int[Array, ""]], list[Array]]
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
 
 
 def _inexact(x: Array) -> bool:
@@ -160,9 +156,9 @@ def _jvp_step(
 ) -> tuple[Any, Any]:
     """One chunk's outputs and their tangents (`None` where the tangent is zero)."""
     primals, tangents = (fn, loop.slice(inputs, start)), (t_fn, t_chunk)
-    has_tangent = jtu.tree_map(lambda t: t is not None, tangents, is_leaf=_is_none)
+    has_tangent = jtu.tree_map(lambda t: t is not None, tangents, is_leaf=is_none)
     diff, nondiff = eqx.partition(primals, has_tangent)
-    t_diff = eqx.filter(tangents, has_tangent, is_leaf=_is_none)
+    t_diff = eqx.filter(tangents, has_tangent, is_leaf=is_none)
 
     def _call(_diff: Any) -> Any:
         _fn, _chunk = eqx.combine(_diff, nondiff)
@@ -219,7 +215,7 @@ def _run_jvp(
         lambda axis, t: None if t is None else loop.split(_strong(t), axis),
         loop.in_axes,
         t_inputs,
-        is_leaf=_is_none,
+        is_leaf=is_none,
     )
     step = checkpointed(_jvp_step, loop.checkpoint)
 
@@ -246,7 +242,7 @@ def _run_jvp(
         lambda t, u: None if t is None else _typed_like(t, u),
         t_unbatched,
         unbatched,
-        is_leaf=_is_none,
+        is_leaf=is_none,
     )
     return (buffers, unbatched), (t_buffers, t_unbatched)
 

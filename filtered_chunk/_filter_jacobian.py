@@ -1,8 +1,6 @@
 """`filter_chunked_jacrev` and `filter_chunked_jacfwd`: chunked Jacobians with
 respect to the floating-point arrays of the first argument, as Equinox's."""
 
-import dataclasses
-import functools as ft
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -10,67 +8,61 @@ import equinox as eqx
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-from ._boundary import api_boundary, keyword_only
-from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
-from ._chunking import check_chunking, CheckpointSpec
-from ._custom_types import Remainder, sentinel
-from ._jacobian import Jacobian, Options
-from ._progress import AbstractProgressMeter, check_meter
+from ._boundary import deferred, keyword_only
+from ._custom_types import CheckpointSpec, Remainder, sentinel
+from ._jacobian import AbstractJacobian, JacfwdPlan, JacrevPlan
+from ._progress import AbstractProgressMeter
+from ._wrapper import AbstractPlan, Bound, ChunkOptions, ChunkSizeSpec, Fun, wrap
 
 
-class _FilterJacobian(eqx.Module):
+class _FilterJacobian(AbstractPlan):
     """As `equinox.filter_jacrev`/`filter_jacfwd`: the Jacobian with respect to the
-    floating-point arrays of the first argument."""
+    floating-point arrays of the first argument, by the plan `jacobian` (which
+    takes `fun` as a function of those arrays, with `has_aux=True`)."""
 
-    _fun: Callable[..., Any]
-    _options: Options
-    _rev: bool
+    jacobian: AbstractJacobian
+    has_aux: bool
 
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self._fun
+    def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
+        del fun
+        if not args:
+            raise TypeError(
+                f"`{options.api}` takes the function's first argument positionally "
+                "(the Jacobian is with respect to it), but got no positional "
+                "argument."
+            )
+        return Bound((args, kwargs))
 
-    @property
-    def _budget(self) -> MemoryBudget | None:
-        chunk_size = self._options.chunk_size
-        return chunk_size if isinstance(chunk_size, MemoryBudget) else None
-
-    def _jacobian(self, x: Any, args: Any, kwargs: Any) -> tuple[Jacobian, Any]:
-        """The Jacobian of `fun` as a function of `x`'s floating-point arrays, and
-        those arrays."""
+    def _inner(self, fun: Callable[..., Any], bound: Bound) -> tuple[Any, Bound]:
+        """`fun` as a function of the first argument's floating-point arrays, and
+        those arrays bound for `jacobian`."""
+        (x, *args), kwargs = bound.tree
         diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
-        has_aux = self._options.has_aux
+        has_aux = self.has_aux
 
         def _fun(_diff_x: Any) -> tuple[Any, Any]:
-            _out = self._fun(eqx.combine(_diff_x, static_x), *args, **kwargs)
+            _out = fun(eqx.combine(_diff_x, static_x), *args, **kwargs)
             return _out if has_aux else (_out, None)
 
-        options = eqx.tree_at(lambda o: o.has_aux, self._options, True)
-        return Jacobian(_fun, options, self._rev), diff_x
+        return _fun, Bound(((diff_x,), {}))
 
-    def _choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
-        """The chunk size the budget allows for these arguments."""
-        jacobian, diff_x = self._jacobian(args[0], args[1:], kwargs)
-        return jacobian._choose((diff_x,), {})
+    def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
+        inner, inner_bound = self._inner(fun, bound)
+        return self.jacobian.budget_size(inner, options, inner_bound)
 
-    @api_boundary
-    def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
-        jacobian, diff_x = self._jacobian(x, args, kwargs)
-        jac, aux = jacobian(diff_x)
-        return (jac, aux) if self._options.has_aux else jac
+    def chunked(self, bound: Bound, chunk_size: int | None) -> bool:
+        return self.jacobian.chunked(bound, chunk_size)
 
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
+    ) -> Any:
+        inner, inner_bound = self._inner(fun, bound)
+        jac, aux = self.jacobian.evaluate(inner, options, inner_bound, chunk_size)
+        return (jac, aux) if self.has_aux else jac
 
 
-def _build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
-    chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
-    options = dataclasses.replace(options, chunk_size=chunk_size)
-    check_meter(options.progress_meter, options.api)
-    return eqx.module_update_wrapper(_FilterJacobian(fun, options, rev))
+def _plan(rev: bool, has_aux: bool) -> _FilterJacobian:
+    return _FilterJacobian((JacrevPlan if rev else JacfwdPlan)(0, True, False), has_aux)
 
 
 @overload
@@ -128,10 +120,7 @@ def filter_chunked_jacrev(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the rows done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
@@ -155,26 +144,11 @@ def filter_chunked_jacrev(
         ```
     """
     if fun is sentinel:
-        return ft.partial(
-            filter_chunked_jacrev,  # pyright: ignore[reportCallIssue]
-            chunk_size=chunk_size,
-            has_aux=has_aux,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-        )
-    options = Options(
-        0,
-        has_aux,
-        False,
-        False,
-        chunk_size,
-        remainder,
-        checkpoint,
-        "filter_chunked_jacrev",
-        progress_meter,
+        return deferred(filter_chunked_jacrev, locals())
+    options = ChunkOptions(
+        "filter_chunked_jacrev", chunk_size, remainder, checkpoint, progress_meter
     )
-    return _build(fun, options, rev=True)
+    return wrap(fun, _plan(True, has_aux), options)
 
 
 @overload
@@ -233,10 +207,7 @@ def filter_chunked_jacfwd(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the columns done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
@@ -259,23 +230,8 @@ def filter_chunked_jacfwd(
         ```
     """
     if fun is sentinel:
-        return ft.partial(
-            filter_chunked_jacfwd,  # pyright: ignore[reportCallIssue]
-            chunk_size=chunk_size,
-            has_aux=has_aux,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-        )
-    options = Options(
-        0,
-        has_aux,
-        False,
-        False,
-        chunk_size,
-        remainder,
-        checkpoint,
-        "filter_chunked_jacfwd",
-        progress_meter,
+        return deferred(filter_chunked_jacfwd, locals())
+    options = ChunkOptions(
+        "filter_chunked_jacfwd", chunk_size, remainder, checkpoint, progress_meter
     )
-    return _build(fun, options, rev=False)
+    return wrap(fun, _plan(False, has_aux), options)

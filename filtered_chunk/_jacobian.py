@@ -1,226 +1,168 @@
 """Jacobians built `chunk_size` rows (reverse mode) or columns (forward mode) at a
 time: `chunked_jacrev` and `chunked_jacfwd`."""
 
-import dataclasses
-import functools as ft
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Int, jaxtyped
 
-from ._axes import is_array
 from ._basis import (
     Argnums,
     basis,
     check_dtypes,
     dynamic_args,
-    in_chunks,
     inputs_rule,
     offsets,
     outputs_rule,
     unravel,
     without_float0,
 )
-from ._boundary import api_boundary, keyword_only
-from ._budget import ChunkSizeChoice, ChunkSizeSpec, MemoryBudget
-from ._chunk_search import choose_chunk_size
-from ._chunking import check_chunking, CheckpointSpec, ChunkOutput
-from ._custom_types import keep_untraced, Remainder, sentinel, unwrap_kept
-from ._eager import call_compiled, is_traced
-from ._progress import AbstractProgressMeter, check_meter, is_reporting
-from ._reporting import closing_on_error
+from ._boundary import deferred, keyword_only
+from ._custom_types import (
+    CheckpointSpec,
+    ChunkOutput,
+    keep_untraced,
+    Remainder,
+    sentinel,
+    unwrap_kept,
+)
+from ._progress import AbstractProgressMeter
+from ._wrapper import (
+    AbstractPlan,
+    Batch,
+    Bound,
+    ChunkOptions,
+    ChunkSizeSpec,
+    Fun,
+    run_batch,
+    wrap,
+)
 
 
-class Options(eqx.Module):
-    """The arguments of `chunked_jacrev`/`chunked_jacfwd` other than `fun`."""
+class AbstractJacobian(AbstractPlan):
+    """A Jacobian's plan: the arguments of `chunked_jacrev`/`chunked_jacfwd`
+    other than `fun` and the `ChunkOptions`. Its batch is the Jacobian's rows
+    (reverse mode) or columns, so a chunked call always runs a loop."""
 
     argnums: Argnums
     has_aux: bool
     holomorphic: bool
-    allow_int: bool
-    chunk_size: Any  # as given; a `ChunkSize` once checked by `build`
-    remainder: str
-    checkpoint: CheckpointSpec
-    api: str
-    progress_meter: AbstractProgressMeter | None = None
+    allow_int: bool = False
+
+    def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
+        del fun, options
+        return Bound((args, kwargs))
+
+    def chunked(self, bound: Bound, chunk_size: int | None) -> bool:
+        del bound
+        return chunk_size is not None
+
+    def _dynamic(self, fun: Callable[..., Any], options: ChunkOptions, bound: Bound):
+        args, kwargs = bound.tree
+        return dynamic_args(fun, self.argnums, args, kwargs, options.api)
 
 
-def _jacrev(
-    fun: Callable[..., Any], o: Options, args: tuple[Any, ...], kwargs: Any
-) -> Any:
-    f, dynamic, nums = dynamic_args(fun, o.argnums, args, kwargs, o.api)
-    names = [f"args[{n}]" for n in nums]
-    rule = inputs_rule(o.holomorphic, o.allow_int, rev=True)
-    check_dtypes(dynamic, names, rule, "the input", o.api)
-    y, pullback, *aux = jax.vjp(f, *dynamic, has_aux=o.has_aux)
-    rule = outputs_rule(o.holomorphic, rev=True)
-    check_dtypes((y,), ["output"], rule, "the output", o.api)
-
-    def _rows(index: Int[Array, " size"], size: int) -> ChunkOutput:
-        del size
-        cotangents, axes = without_float0(jax.vmap(pullback)(basis(y, index)), False)
-        return ChunkOutput(cotangents, axes, None, None)
-
-    _, total = offsets(y)
-    rows = in_chunks(
-        _rows,
-        total,
-        o.chunk_size,
-        o.remainder,
-        o.checkpoint,
-        o.progress_meter,
-        o.api,
-    ).batched
-    example = dynamic[0] if isinstance(o.argnums, int) else dynamic
-    rows = rows[0] if isinstance(o.argnums, int) else rows
-
-    def _unravel_rows(x: Any, block: Any) -> Any:
-        shape = lambda leaf: np.shape(leaf) + np.shape(x)
-        return unravel(block, y, x, 0, shape)
-
-    jac = jtu.tree_map(_unravel_rows, example, rows)
-    jac = jtu.tree_transpose(jtu.tree_structure(example), jtu.tree_structure(y), jac)
-    return (jac, *aux) if o.has_aux else jac
-
-
-def _jacfwd(
-    fun: Callable[..., Any], o: Options, args: tuple[Any, ...], kwargs: Any
-) -> Any:
-    f, dynamic, nums = dynamic_args(fun, o.argnums, args, kwargs, o.api)
-    names = [f"args[{n}]" for n in nums]
-    rule = inputs_rule(o.holomorphic, allow_int=False, rev=False)
-    check_dtypes(dynamic, names, rule, "the input", o.api)
-
-    def _columns(index: Int[Array, " size"], size: int) -> ChunkOutput:
-        def _push(tangents: Any) -> Any:
-            out = jax.jvp(f, dynamic, tangents, has_aux=o.has_aux)
-            return out if o.has_aux else (*out, None)
-
-        y, t, aux = jax.vmap(_push, out_axes=(None, -1, None), axis_size=size)(
-            basis(dynamic, index)
-        )
-        tangents, axes = without_float0(t, True)
-        unbatched, static = eqx.partition((y, aux), is_array)
-        # What no trace computed (a NumPy `aux`) is returned as it is.
-        unbatched, kept = keep_untraced(unbatched)
-        return ChunkOutput(tangents, axes, unbatched, eqx.combine(static, kept))
-
-    _, total = offsets(dynamic)
-    out = in_chunks(
-        _columns,
-        total,
-        o.chunk_size,
-        o.remainder,
-        o.checkpoint,
-        o.progress_meter,
-        o.api,
+def _over_indices(
+    chunk_fn: Callable[[Int[Array, " size"], int], ChunkOutput],
+    total: int,
+    chunk_size: int | None,
+    options: ChunkOptions,
+) -> ChunkOutput:
+    """`chunk_fn` over the indices `0, ..., total - 1`, in chunks."""
+    chunk = lambda _, index, size: chunk_fn(index, size)  # noqa: E731
+    return run_batch(
+        Batch(chunk, None, jnp.arange(total), 0, total), chunk_size, options
     )
-    y, aux = eqx.combine(out.unbatched, unwrap_kept(out.static))
-    rule = outputs_rule(o.holomorphic, rev=False)
-    check_dtypes((y,), ["output"], rule, "the output", o.api)
-    example = dynamic[0] if isinstance(o.argnums, int) else dynamic
-
-    def _unravel_columns(y_leaf: Any, block: Any) -> Any:
-        shape = lambda leaf: np.shape(y_leaf) + np.shape(leaf)
-        return unravel(block, example, y_leaf, np.ndim(y_leaf), shape)
-
-    jac = jtu.tree_map(_unravel_columns, y, out.batched)
-    return (jac, aux) if o.has_aux else jac
 
 
-class Jacobian(eqx.Module):
-    """`fun`'s Jacobian, computed when called (the wrapper the builders return)."""
-
-    _fun: Callable[..., Any]
-    _options: Options
-    _rev: bool
-
-    @property
-    def __wrapped__(self) -> Callable[..., Any]:
-        return self._fun
-
-    @property
-    def _budget(self) -> MemoryBudget | None:
-        chunk_size = self._options.chunk_size
-        return chunk_size if isinstance(chunk_size, MemoryBudget) else None
-
-    def _total(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """The number of rows (reverse mode) or columns of the Jacobian."""
-        o = self._options
-        f, dynamic, _ = dynamic_args(self._fun, o.argnums, args, kwargs, o.api)
-        if not self._rev:
-            return offsets(dynamic)[1]
+class JacrevPlan(AbstractJacobian):
+    def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
+        f, dynamic, _ = self._dynamic(fun, options, bound)
         out = jax.eval_shape(f, *dynamic)
-        out = out[0] if o.has_aux else out
+        out = out[0] if self.has_aux else out
         return sum(math.prod(np.shape(y)) for y in jtu.tree_leaves(out))
 
-    def _choose(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> ChunkSizeChoice | None:
-        """The chunk size the budget allows for these arguments (`None` when
-        the Jacobian is empty)."""
-        assert self._budget is not None
-        total = self._total(args, kwargs)
-        if not total:
-            return None
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
+    ) -> Any:
+        f, dynamic, nums = self._dynamic(fun, options, bound)
+        names = [f"args[{n}]" for n in nums]
+        rule = inputs_rule(self.holomorphic, self.allow_int, rev=True)
+        check_dtypes(dynamic, names, rule, "the input", options.api)
+        y, pullback, *aux = jax.vjp(f, *dynamic, has_aux=self.has_aux)
+        rule = outputs_rule(self.holomorphic, rev=True)
+        check_dtypes((y,), ["output"], rule, "the output", options.api)
 
-        def _run(k: int | None, closed: Any) -> Any:
-            jacobian, (_args, _kwargs) = closed
-            options = dataclasses.replace(jacobian._options, chunk_size=k)
-            return dataclasses.replace(jacobian, _options=options)._call(_args, _kwargs)
+        def _rows(index: Int[Array, " size"], size: int) -> ChunkOutput:
+            del size
+            cotangents, axes = without_float0(
+                jax.vmap(pullback)(basis(y, index)), False
+            )
+            return ChunkOutput(cotangents, axes, None, None)
 
-        o = self._options
-        return choose_chunk_size(
-            _run,
-            (self, (args, kwargs)),
-            batch_size=total,
-            budget=self._budget,
-            remainder=o.remainder,
-            options=(o.remainder, o.checkpoint, self._rev),
-            api=o.api,
-        )
+        _, total = offsets(y)
+        rows = _over_indices(_rows, total, chunk_size, options).batched
+        example = dynamic[0] if isinstance(self.argnums, int) else dynamic
+        rows = rows[0] if isinstance(self.argnums, int) else rows
 
-    @api_boundary
-    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        if self._budget is not None:
-            choice = self._choose(args, kwargs)
-            k = None if choice is None else choice.chunk_size
-            options = dataclasses.replace(self._options, chunk_size=k)
-            return dataclasses.replace(self, _options=options)(*args, **kwargs)
-        if is_reporting(self._options.progress_meter):
-            with closing_on_error():  # a failed call closes its meter
-                return self._dispatch(args, kwargs)
-        return self._dispatch(args, kwargs)
+        def _unravel_rows(x: Any, block: Any) -> Any:
+            shape = lambda leaf: np.shape(leaf) + np.shape(x)
+            return unravel(block, y, x, 0, shape)
 
-    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._options.chunk_size is not None and not is_traced((self, args, kwargs)):
-            # An eager `lax.scan` recompiles on every call: see `_eager.py`.
-            return call_compiled(lambda _t: self._call(*_t), (args, kwargs))
-        return self._call(args, kwargs)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        jacobian = _jacrev if self._rev else _jacfwd
-        return jacobian(self._fun, self._options, args, kwargs)
-
-    def __get__(self, instance: Any, owner: Any) -> Any:
-        del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
+        jac = jtu.tree_map(_unravel_rows, example, rows)
+        treedefs = jtu.tree_structure(example), jtu.tree_structure(y)
+        jac = jtu.tree_transpose(*treedefs, jac)
+        return (jac, *aux) if self.has_aux else jac
 
 
-def build(fun: Callable[..., Any], options: Options, rev: bool) -> Callable[..., Any]:
-    """Checks the options and wraps `fun` in a `Jacobian`."""
-    chunk_size = check_chunking(options.chunk_size, options.remainder, options.api)
-    options = dataclasses.replace(options, chunk_size=chunk_size)
-    check_meter(options.progress_meter, options.api)
-    return eqx.module_update_wrapper(Jacobian(fun, options, rev))
+class JacfwdPlan(AbstractJacobian):
+    def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
+        _, dynamic, _ = self._dynamic(fun, options, bound)
+        return offsets(dynamic)[1]
+
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
+    ) -> Any:
+        f, dynamic, nums = self._dynamic(fun, options, bound)
+        names = [f"args[{n}]" for n in nums]
+        rule = inputs_rule(self.holomorphic, allow_int=False, rev=False)
+        check_dtypes(dynamic, names, rule, "the input", options.api)
+        has_aux = self.has_aux
+
+        def _columns(index: Int[Array, " size"], size: int) -> ChunkOutput:
+            def _push(tangents: Any) -> Any:
+                out = jax.jvp(f, dynamic, tangents, has_aux=has_aux)
+                return out if has_aux else (*out, None)
+
+            y, t, aux = jax.vmap(_push, out_axes=(None, -1, None), axis_size=size)(
+                basis(dynamic, index)
+            )
+            tangents, axes = without_float0(t, True)
+            unbatched, static = eqx.partition((y, aux), eqx.is_array)
+            # What no trace computed (a NumPy `aux`) is returned as it is.
+            unbatched, kept = keep_untraced(unbatched)
+            return ChunkOutput(tangents, axes, unbatched, eqx.combine(static, kept))
+
+        _, total = offsets(dynamic)
+        out = _over_indices(_columns, total, chunk_size, options)
+        y, aux = eqx.combine(out.unbatched, unwrap_kept(out.static))
+        rule = outputs_rule(self.holomorphic, rev=False)
+        check_dtypes((y,), ["output"], rule, "the output", options.api)
+        example = dynamic[0] if isinstance(self.argnums, int) else dynamic
+
+        def _unravel_columns(y_leaf: Any, block: Any) -> Any:
+            shape = lambda leaf: np.shape(y_leaf) + np.shape(leaf)
+            return unravel(block, example, y_leaf, np.ndim(y_leaf), shape)
+
+        jac = jtu.tree_map(_unravel_columns, y, out.batched)
+        return (jac, aux) if has_aux else jac
 
 
 @overload
@@ -303,10 +245,7 @@ def chunked_jacrev(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the rows done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
@@ -331,29 +270,11 @@ def chunked_jacrev(
         ```
     """
     if fun is sentinel:
-        return ft.partial(
-            chunked_jacrev,  # pyright: ignore[reportCallIssue]
-            argnums=argnums,
-            chunk_size=chunk_size,
-            has_aux=has_aux,
-            holomorphic=holomorphic,
-            allow_int=allow_int,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-        )
-    options = Options(
-        argnums,
-        has_aux,
-        holomorphic,
-        allow_int,
-        chunk_size,
-        remainder,
-        checkpoint,
-        "chunked_jacrev",
-        progress_meter,
+        return deferred(chunked_jacrev, locals())
+    options = ChunkOptions(
+        "chunked_jacrev", chunk_size, remainder, checkpoint, progress_meter
     )
-    return build(fun, options, rev=True)
+    return wrap(fun, JacrevPlan(argnums, has_aux, holomorphic, allow_int), options)
 
 
 @overload
@@ -426,10 +347,7 @@ def chunked_jacfwd(
         each chunk when the Jacobian is itself differentiated in reverse mode.
         `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
     - `progress_meter`: keyword-only. Reports the columns done while the call
-        runs, also under `jax.jit`: `None` or `filtered_chunk.NoProgressMeter()`
-        (the default: nothing, at no cost), `filtered_chunk.TextProgressMeter()`,
-        `filtered_chunk.TqdmProgressMeter()`, or a subclass of
-        `filtered_chunk.AbstractProgressMeter`. See the [guide on progress][progress].
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
 
     **Returns:**
 
@@ -464,25 +382,8 @@ def chunked_jacfwd(
         `chunked_jacfwd(chunked_jacrev(f, chunk_size=...), chunk_size=...)`.
     """
     if fun is sentinel:
-        return ft.partial(
-            chunked_jacfwd,  # pyright: ignore[reportCallIssue]
-            argnums=argnums,
-            chunk_size=chunk_size,
-            has_aux=has_aux,
-            holomorphic=holomorphic,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-        )
-    options = Options(
-        argnums,
-        has_aux,
-        holomorphic,
-        False,
-        chunk_size,
-        remainder,
-        checkpoint,
-        "chunked_jacfwd",
-        progress_meter,
+        return deferred(chunked_jacfwd, locals())
+    options = ChunkOptions(
+        "chunked_jacfwd", chunk_size, remainder, checkpoint, progress_meter
     )
-    return build(fun, options, rev=False)
+    return wrap(fun, JacfwdPlan(argnums, has_aux, holomorphic), options)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.core
+import numpy as np
 from jax._src import (
     debugging as _debugging,
     named_sharding as _named_sharding,
@@ -87,7 +88,7 @@ def transformations_tracing(x: Any) -> list[tuple[Any, str, int | None]]:
 
 # Internal: `lax.convert_element_type` always gives a strong type; a tangent must
 # have its primal's, which only JAX's private conversion sets.
-def with_weak_type(x: Array, weak_type: bool) -> Array:
+def with_weak_type(x: Array | np.ndarray, weak_type: bool) -> Array:
     """`x` with the same values and dtype, weakly typed if `weak_type`."""
     return _convert_element_type(x, jax.typeof(x).dtype, weak_type=weak_type)  # pyright: ignore[reportReturnType]
 

@@ -21,7 +21,7 @@ user names the mesh axis with `spmd_axis_name` (and the mesh comes from
 
 import functools as ft
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeAlias
 
 import equinox as eqx
@@ -33,13 +33,10 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, PyTree
 
 from ._axes import describe, is_array
-from ._chunking import ChunkFn, ChunkOutput
-from ._collectives import collectives_over
-from ._custom_types import InputArray
+from ._custom_types import ChunkFn, ChunkOutput, InputArray, SpmdAxisName
 from ._reporting import sharded
 
 
-SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
 AnyMesh: TypeAlias = Mesh | AbstractMesh
 
 
@@ -189,48 +186,6 @@ def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeS
     else:
         local = None
     return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x), sharding=local)
-
-
-def check_collectives(
-    element: Callable[..., Any],
-    mapped: PyTree[InputArray],
-    in_axes: PyTree[int | None],
-    axis_name: Hashable | None,
-    sharding: BatchSharding,
-    batch_size: int,
-    api: str,
-    *,
-    one_chunk: bool,
-) -> bool:
-    """Whether `fun` uses collectives over `axis_name`, which a device evaluating
-    its own shard would compute over that shard only.
-
-    Allowed (`True`) only when the whole batch is `one_chunk`, for one `vmap` of
-    the whole batch; refused otherwise.
-    """
-    if axis_name is None:
-        return False
-
-    def _element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
-        shape = list(np.shape(x))
-        del shape[axis]
-        return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x))
-
-    structs = jtu.tree_map(_element_struct, in_axes, mapped)
-    arrays = lambda m: eqx.filter(element(m)[:2], is_array)
-    local_size = max(1, batch_size // sharding.num_devices)
-    found = collectives_over(arrays, structs, axis_name, batch_size, local_size)
-    if found and not one_chunk:
-        raise ValueError(
-            f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
-            f"collective(s) {', '.join(f'`{c}`' for c in found)} over {axis_name!r}, "
-            f"but the batch is split over the mesh axes {sharding.axis_names!r}, so "
-            "each device would only see its own shard when chunking it. Use "
-            f"`chunk_size=None` (or at least the batch size, {batch_size}) to "
-            "evaluate the whole batch in one `vmap`, or move the collective out of "
-            "the mapped function (for example, reduce the mapped output afterwards)."
-        )
-    return bool(found)
 
 
 def run_sharded(

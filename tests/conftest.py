@@ -1,4 +1,5 @@
 import os
+from typing import Any
 
 import hypothesis
 import jax
@@ -29,3 +30,22 @@ def getkey():
         return subkey
 
     return _getkey
+
+
+@pytest.fixture
+def choices(monkeypatch) -> list[Any]:
+    """Every chunk size a memory budget chooses while the test runs (under `grad`
+    too): the one place every transform's call path searches."""
+    # Imported here, after jaxtyping's import hook is installed (`pyproject.toml`).
+    import filtered_chunk._wrapper
+
+    found: list[Any] = []
+    original = filtered_chunk._wrapper.choose_chunk_size
+
+    def _spy(*args: Any, **kwargs: Any) -> Any:
+        choice = original(*args, **kwargs)
+        found.append(choice)
+        return choice
+
+    monkeypatch.setattr(filtered_chunk._wrapper, "choose_chunk_size", _spy)
+    return found

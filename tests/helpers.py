@@ -1,7 +1,12 @@
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
 def tree_allclose(x: Any, y: Any, *, rtol: float = 1e-5, atol: float = 1e-8) -> bool:
@@ -9,3 +14,21 @@ def tree_allclose(x: Any, y: Any, *, rtol: float = 1e-5, atol: float = 1e-8) -> 
     if jax.default_backend() == "gpu":
         atol = max(atol, 1e-3)
     return bool(eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol))
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[str]]:
+    """Collects one entry per XLA compilation (JAX's monitoring events) while
+    active: `compiles == []` when nothing compiled."""
+    compiles: list[str] = []
+
+    def _listen(event: str, duration_secs: float, **kwargs: Any) -> None:
+        del duration_secs, kwargs
+        if event == _BACKEND_COMPILE:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(_listen)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(_listen)

@@ -13,20 +13,11 @@ import pytest
 import filtered_chunk as fc
 import filtered_chunk._eager as eager_module
 
-from .helpers import tree_allclose
-from .test_transforms import _count_compiles
+from .helpers import count_compiles, tree_allclose
+from .transforms import JACOBIANS, TRANSFORMS
 
 
-def _vmap(fun, chunk_size, remainder, **kwargs):
-    return fc.filter_chunked_vmap(
-        fun, chunk_size=chunk_size, remainder=remainder, **kwargs
-    )
-
-
-def _apply(fun, chunk_size, remainder, **kwargs):
-    return fc.filter_chunked_apply(
-        fun, chunk_size=chunk_size, remainder=remainder, **kwargs
-    )
+_MAPS = ("filter_chunked_vmap", "filter_chunked_apply")
 
 
 _CLOSED = jnp.arange(3.0)
@@ -45,25 +36,27 @@ def test_untraced_unmapped_outputs_come_back_as_they_are(value, chunk_size, rema
     f = lambda x: (x * 2, value)
     out_axes = (0, None)
     expected = eqx.filter_vmap(f, out_axes=out_axes)(x)
-    actual = _vmap(f, chunk_size, remainder, out_axes=out_axes)(x)
+    vmap, apply = (TRANSFORMS[name].builder for name in _MAPS)
+    actual = vmap(f, chunk_size=chunk_size, remainder=remainder, out_axes=out_axes)(x)
     assert tree_allclose(actual, expected)
     assert type(actual[1]) is type(value) and np.all(actual[1] == value)
     expected = f(x)
-    actual = _apply(f, chunk_size, remainder, out_axes=out_axes)(x)
+    actual = apply(f, chunk_size=chunk_size, remainder=remainder, out_axes=out_axes)(x)
     assert tree_allclose(actual, expected)
     assert actual[1] is value
 
 
-@pytest.mark.parametrize("make", (_vmap, _apply))
+@pytest.mark.parametrize("name", _MAPS)
 @pytest.mark.parametrize("chunk_size", (None, 3))
-def test_equinox_runtime_errors_surface(make, chunk_size):
+def test_equinox_runtime_errors_surface(name, chunk_size):
+    make = ft.partial(TRANSFORMS[name].builder, chunk_size=chunk_size)
     f = lambda x: eqx.error_if(x, x > 5, "too big")
     with pytest.raises(eqx.EquinoxRuntimeError, match="too big"):
         eqx.filter_jit(eqx.filter_vmap(f))(jnp.arange(10.0))
     with pytest.raises(eqx.EquinoxRuntimeError, match="too big"):
-        make(f, chunk_size, "overlap")(jnp.arange(10.0))
+        make(f)(jnp.arange(10.0))
     x = jnp.arange(5.0)
-    assert tree_allclose(make(f, chunk_size, "overlap")(x), x)
+    assert tree_allclose(make(f)(x), x)
 
 
 @jax.custom_vjp
@@ -126,7 +119,7 @@ def test_eager_calls_do_not_recompile_for_new_python_objects(fun, apply, capfd):
     x = jnp.linspace(0.0, 1.0, 15).reshape(5, 3)
     x2 = x + 1.0
     chunked(x)
-    with _count_compiles() as compiles:
+    with count_compiles() as compiles:
         outs = [chunked(x_) for x_ in (x, x2, x)]
     assert compiles == []
     assert tree_allclose(outs[1], fun(x2) if apply else eqx.filter_vmap(fun)(x2))
@@ -191,17 +184,10 @@ def test_custom_rules_stay_out_of_the_key_but_the_primal_does_not():
         )
 
 
-_JACOBIANS = {
-    "jacfwd": (fc.chunked_jacfwd, jax.jacfwd),
-    "jacrev": (fc.chunked_jacrev, jax.jacrev),
-    "filter_jacfwd": (fc.filter_chunked_jacfwd, jax.jacfwd),
-    "filter_jacrev": (fc.filter_chunked_jacrev, jax.jacrev),
-}
-
-
 @pytest.mark.parametrize("chunk_size", (None, 2))
-@pytest.mark.parametrize("ours, oracle", _JACOBIANS.values(), ids=_JACOBIANS.keys())
-def test_untraced_aux_comes_back_as_it_is(ours, oracle, chunk_size):
+@pytest.mark.parametrize("name", JACOBIANS)
+def test_untraced_aux_comes_back_as_it_is(name, chunk_size):
+    ours, oracle = JACOBIANS[name].builder, JACOBIANS[name].oracle
     f = lambda x: (x**2, (np.float64(1e-12), jnp.sum(x)))
     x = jnp.linspace(0.0, 1.0, 5)
     expected = oracle(f, has_aux=True)(x)

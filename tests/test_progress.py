@@ -11,13 +11,11 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import jax.random as jr
 import numpy as np
 import pytest
 
@@ -26,72 +24,20 @@ from filtered_chunk import _eager
 
 from .helpers import tree_allclose
 from .meters import check_one_call, Recorder, recorder
+from .transforms import TRANSFORMS
 
 
 REMAINDERS = ("overlap", "separate")
-W = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
-
-
-def _vmap(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
-    f = lambda x, y: jnp.sin(x) * y
-    chunked = fc.filter_chunked_vmap(
-        f, in_axes=(0, None), chunk_size=4, remainder=remainder, **kw
-    )
-    x = jnp.linspace(0.0, 1.0, 30).reshape(10, 3)
-    return chunked, eqx.filter_vmap(f, in_axes=(0, None)), (x, 2.0)
-
-
-def _apply(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
-    f = lambda x: jnp.tanh(x @ W)
-    chunked = fc.filter_chunked_apply(f, chunk_size=4, remainder=remainder, **kw)
-    return chunked, f, (jnp.linspace(0.0, 1.0, 30).reshape(10, 3),)
-
-
-def _jacrev(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
-    f = lambda x: jnp.tanh(jnp.outer(x, x[:3])).ravel()  # 15 rows
-    chunked = fc.chunked_jacrev(f, chunk_size=4, remainder=remainder, **kw)
-    return chunked, jax.jacrev(f), (jnp.linspace(0.0, 1.0, 5),)
-
-
-def _jacfwd(meter: Any, remainder: Any, **kw: Any) -> tuple[Callable, Callable, Any]:
-    f = lambda x: jnp.sin(x) * jnp.sum(x)  # 10 columns
-    chunked = fc.chunked_jacfwd(f, chunk_size=4, remainder=remainder, **kw)
-    return chunked, jax.jacfwd(f), (jnp.linspace(0.0, 1.0, 10),)
-
-
-def _model() -> eqx.nn.Linear:
-    return eqx.nn.Linear(3, 10, key=jr.key(0))
-
-
-def _filter_jacrev(meter: Any, remainder: Any, **kw: Any) -> tuple:
-    f = lambda m, x: m(x)  # 10 rows
-    chunked = fc.filter_chunked_jacrev(f, chunk_size=4, remainder=remainder, **kw)
-    return chunked, eqx.filter_jacrev(f), (_model(), jnp.ones(3))
-
-
-def _filter_jacfwd(meter: Any, remainder: Any, **kw: Any) -> tuple:
-    f = lambda m, x: m(x)[:2]  # 3 * 10 + 10 = 40 columns
-    model = _model()
-    chunked = fc.filter_chunked_jacfwd(f, chunk_size=12, remainder=remainder, **kw)
-    return chunked, eqx.filter_jacfwd(f), (model, jnp.ones(3))
-
-
-TRANSFORMS = {
-    "filter_chunked_vmap": (_vmap, 10),
-    "filter_chunked_apply": (_apply, 10),
-    "chunked_jacrev": (_jacrev, 15),
-    "chunked_jacfwd": (_jacfwd, 10),
-    "filter_chunked_jacrev": (_filter_jacrev, 10),
-    "filter_chunked_jacfwd": (_filter_jacfwd, 40),
-}
 
 
 def build(name: str, remainder: str, meter: Any = None, **kw: Any) -> tuple:
-    make, total = TRANSFORMS[name]
+    """The transform `name`'s example, chunked, its oracle, arguments and size."""
+    transform = TRANSFORMS[name]
+    example = transform.example()
     if meter is not None:
         kw["progress_meter"] = meter
-    chunked, oracle, args = make(meter, remainder, **kw)
-    return chunked, oracle, args, total
+    chunked, oracle = transform.build(example, remainder=remainder, **kw)
+    return chunked, oracle, example.args, example.total
 
 
 @pytest.mark.parametrize("remainder", REMAINDERS)

@@ -1,6 +1,5 @@
 """Composition with `jit`, autodiff, `vmap` and itself; tracing and compiling once."""
 
-import contextlib
 from typing import Any
 
 import equinox as eqx
@@ -12,10 +11,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
-
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+from .helpers import count_compiles, tree_allclose
 
 
 def _f(x, w):
@@ -113,22 +109,6 @@ def test_jit_does_not_retrace(getkey):
     assert tree_allclose(actual, oracle(x + 1.0, w))  # pyright: ignore[reportPossiblyUnboundVariable]
 
 
-@contextlib.contextmanager
-def _count_compiles():
-    compiles = []
-
-    def listen(event: str, duration_secs: float, **kwargs: str | int) -> None:
-        del duration_secs, kwargs
-        if event == _BACKEND_COMPILE:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        yield compiles
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
-
-
 def test_eager_calls_do_not_recompile(getkey):
     x, w = _inputs(getkey)
     x2 = x * 2.0
@@ -140,7 +120,7 @@ def test_eager_calls_do_not_recompile(getkey):
 
     chunked = fc.filter_chunked_vmap(f, in_axes=(0, None, None), chunk_size=2)
     chunked(x, w, 2.0)
-    with _count_compiles() as compiles:
+    with count_compiles() as compiles:
         for x_ in (x, x2, x):
             out = chunked(x_, w, 2.0)
     assert compiles == []
@@ -150,7 +130,7 @@ def test_eager_calls_do_not_recompile(getkey):
     expected = eqx.filter_vmap(f, in_axes=(0, None, None))(x, w, 2.0)
     assert tree_allclose(out, expected)  # pyright: ignore[reportPossiblyUnboundVariable]
     # A new value of a static (non-array) leaf does compile again, as in `jit`.
-    with _count_compiles() as compiles:
+    with count_compiles() as compiles:
         chunked(x, w, 3.0)
     assert len(compiles) == 1
 
@@ -172,7 +152,7 @@ def test_eager_calls_reuse_the_compilation_for_new_closed_over_arrays(getkey):
     state = {"w": jnp.ones(3)}
     chunked = fc.filter_chunked_vmap(lambda x: jnp.dot(x, state["w"]), chunk_size=2)
     chunked(x)
-    with _count_compiles() as compiles:
+    with count_compiles() as compiles:
         state["w"] = jnp.arange(3.0)
         out = chunked(x)
     assert compiles == []

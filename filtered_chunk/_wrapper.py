@@ -1,0 +1,353 @@
+"""The one wrapper of every chunked transform, and its one call path.
+
+Every builder (`filter_chunked_vmap`, `filter_chunked_apply`, the Jacobians) returns
+a [`Chunked`][] module holding `fun`, the transform's *plan* and the
+[`ChunkOptions`][] every transform shares. A call is, for all of them:
+
+1. `plan.bind`: the call's arguments bound once (with their axes, the batch size
+   and, for a map, the mesh axes the batch is split over);
+2. the budget, if `chunk_size` is one, resolved to an integer (`_chunk_search.py`,
+   which caches the choice on the traced program);
+3. the progress meter's error context, if the call reports;
+4. the eager path: outside `jit`, a chunked call runs as one compiled program
+   (`_eager.py`); traced, it runs inline;
+5. `plan.evaluate`, which builds its chunk function and hands it to
+   [`run_batch`][]: per device if the batch is sharded (`_sharding.py`), after the
+   one collective check (`_collectives.py`), then one `vmap` or the loop
+   (`_chunking.py`); the plan finishes the outputs.
+
+A transform contributes only what differs: how its arguments bind, its chunk
+function, how its outputs are finished (see `docs/internals.md`).
+"""
+
+import abc
+import dataclasses
+import functools as ft
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, NamedTuple
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+from ._axes import (
+    batch_size_of,
+    bind_arguments,
+    check_spec,
+    normalise_in_axes,
+    resolve_axes,
+)
+from ._boundary import api_boundary
+from ._budget import (
+    ChunkSizeChoice,
+    ChunkSizeSpec as ChunkSizeSpec,
+    MemoryBudget,
+    normalise_chunk_size,
+)
+from ._chunk_search import choose_chunk_size
+from ._chunking import run_in_chunks
+from ._collectives import check_collectives
+from ._custom_types import (
+    CheckpointSpec,
+    ChunkFn,
+    ChunkOutput,
+    InputArray,
+    REMAINDERS,
+    SpmdAxisName,
+)
+from ._eager import call_compiled, is_traced
+from ._progress import AbstractProgressMeter, check_meter, is_reporting
+from ._reporting import closing_on_error
+from ._sharding import (
+    BatchSharding,
+    check_spmd_axis_name,
+    find_batch_sharding,
+    run_sharded,
+)
+
+
+# What a transform holds: a fixed chunk size, none, or a budget to choose one.
+ChunkSize = int | MemoryBudget | None
+# The function a transform wraps.
+Fun = Callable[..., Any]
+
+
+class ChunkOptions(eqx.Module):
+    """The arguments every chunked transform takes besides `fun` (`axis_name` and
+    `spmd_axis_name` only `filter_chunked_vmap`), checked once by [`wrap`][]."""
+
+    api: str
+    chunk_size: Any  # as given; a `ChunkSize` once checked by `wrap`
+    remainder: str
+    checkpoint: CheckpointSpec
+    progress_meter: AbstractProgressMeter | None = None
+    axis_name: Hashable | None = None
+    spmd_axis_name: SpmdAxisName = None
+
+
+class Bound(NamedTuple):
+    """A call's arguments as a plan binds them."""
+
+    tree: PyTree[Any]  # the arguments: traced by the eager path and the budget
+    in_axes: PyTree[int | None] = None  # each leaf's mapped axis
+    batch_size: int | None = None  # `None`: nothing mapped (or not known yet)
+    sharding: BatchSharding | None = None  # the mesh axes the batch is split over
+
+
+class Batch(NamedTuple):
+    """What a plan hands to [`run_batch`][]: `size` elements of `mapped` (at
+    `in_axes`), and how to evaluate them, as functions of what they close over
+    (`closed`, arrays included), so that they can be rebuilt inside `shard_map`."""
+
+    chunk: Callable[[Any, PyTree[InputArray], int], ChunkOutput]
+    closed: PyTree[Any]
+    mapped: PyTree[InputArray]
+    in_axes: PyTree[int | None]
+    size: int
+    # `fun` on one element, returning its arrays: for the collective check.
+    element: Callable[[Any, PyTree[Any]], Any] | None = None
+    # The transform's own check of `fun`, before a loop of chunks of that size.
+    check: Callable[[Any, PyTree[InputArray], int], None] | None = None
+
+
+class AbstractPlan(eqx.Module):
+    """What a transform contributes to the call path of [`Chunked`][]."""
+
+    def check(self, api: str) -> None:
+        """Checks the transform's own arguments when it is built."""
+        del api
+
+    @abc.abstractmethod
+    def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
+        """The call's arguments, bound once."""
+
+    def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
+        """The number of elements a budget splits (per device); 0 if none."""
+        del fun, options
+        devices = 1 if bound.sharding is None else bound.sharding.num_devices
+        return (bound.batch_size or 0) // devices
+
+    def chunked(self, bound: Bound, chunk_size: int | None) -> bool:
+        """Whether the call runs a loop (and so, eagerly, a compiled program)."""
+        size = bound.batch_size
+        return size is not None and chunk_size is not None and chunk_size < size
+
+    @abc.abstractmethod
+    def evaluate(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
+    ) -> Any:
+        """The call's output at a fixed `chunk_size`, traced or not."""
+
+
+class Chunked(eqx.Module):
+    """A chunked transform of `fun`, as every builder returns it."""
+
+    _fun: Callable[..., Any]
+    _plan: AbstractPlan
+    _options: ChunkOptions
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:
+        return self._fun
+
+    @property
+    def budget(self) -> MemoryBudget | None:
+        """The memory budget the chunk size is chosen for, if any."""
+        chunk_size = self._options.chunk_size
+        return chunk_size if isinstance(chunk_size, MemoryBudget) else None
+
+    def choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
+        """The chunk size the budget allows for these arguments (`None` when
+        there is nothing to split)."""
+        return self._choose(self._plan.bind(self._fun, self._options, args, kwargs))
+
+    def _choose(self, bound: Bound) -> ChunkSizeChoice | None:
+        budget = self.budget
+        assert budget is not None
+        size = self._plan.budget_size(self._fun, self._options, bound)
+        if not size:
+            return None
+
+        def _run(k: int | None, closed: Any) -> Any:
+            chunked, _tree = closed
+            return chunked._evaluate(bound._replace(tree=_tree), k)
+
+        o = self._options
+        return choose_chunk_size(
+            _run,
+            (self, bound.tree),
+            batch_size=size,
+            budget=budget,
+            remainder=o.remainder,
+            # What else changes the chunked program but not the unchunked one.
+            options=(o.remainder, o.checkpoint, o.axis_name, type(self._plan)),
+            api=o.api,
+        )
+
+    @api_boundary
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        bound = self._plan.bind(self._fun, self._options, args, kwargs)
+        if self.budget is None:
+            chunk_size = self._options.chunk_size
+        else:
+            choice = self._choose(bound)
+            chunk_size = None if choice is None else choice.chunk_size
+        if is_reporting(self._options.progress_meter):
+            with closing_on_error():  # a failed call closes its meter
+                return self._dispatch(bound, chunk_size)
+        return self._dispatch(bound, chunk_size)
+
+    def _dispatch(self, bound: Bound, chunk_size: int | None) -> Any:
+        if self._plan.chunked(bound, chunk_size) and not is_traced((self, bound.tree)):
+            # An eager `lax.scan` recompiles on every call: see `_eager.py`. The
+            # axes (and the batch's sharding) were found on the caller's leaves,
+            # as `eqx.filter_vmap` does: inside, every array is a tracer.
+            return call_compiled(
+                lambda _tree: self._evaluate(bound._replace(tree=_tree), chunk_size),
+                bound.tree,
+            )
+        return self._evaluate(bound, chunk_size)
+
+    def _evaluate(self, bound: Bound, chunk_size: int | None) -> Any:
+        return self._plan.evaluate(self._fun, self._options, bound, chunk_size)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        del owner
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)
+
+
+def wrap(
+    fun: Callable[..., Any], plan: AbstractPlan, options: ChunkOptions
+) -> Callable[..., Any]:
+    """Checks the arguments, once, and wraps `fun` in a [`Chunked`][]."""
+    chunk_size = normalise_chunk_size(options.chunk_size, options.api)
+    if options.remainder not in REMAINDERS:
+        raise ValueError(
+            f"`{options.api}(..., remainder=...)` must be one of {REMAINDERS}, got "
+            f"{options.remainder!r}."
+        )
+    plan.check(options.api)
+    check_spmd_axis_name(options.spmd_axis_name, options.api)
+    check_meter(options.progress_meter, options.api)
+    options = dataclasses.replace(options, chunk_size=chunk_size)
+    return eqx.module_update_wrapper(Chunked(fun, plan, options))
+
+
+class AbstractMappedPlan(AbstractPlan):
+    """The plan of a map over a batch whose axes `in_axes`/`out_axes` give
+    (`filter_chunked_vmap`, `filter_chunked_apply`): its arguments bind to `fun`'s
+    signature, and its batch is their common size along their mapped axes."""
+
+    in_axes: Any  # `PyTree[AxisSpec]`, checked by value (`check`)
+    out_axes: Any
+    # The batch size when nothing is mapped (`filter_chunked_vmap`'s). It is
+    # checked where it is used, as by `jax.vmap`: a negative one is inconsistent
+    # with a mapped input (`ValueError`) or cannot be broadcast to (`TypeError`).
+    axis_size: int | None = None
+    # Whether the batch may be split over devices (found on the mapped inputs).
+    sharded: ClassVar[bool] = False
+
+    def check(self, api: str) -> None:
+        del api
+        check_spec(self.in_axes, "in_axes")
+        check_spec(self.out_axes, "out_axes")
+
+    def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
+        """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
+        signature; each leaf's resolved axis; the batch size (`None` if nothing is
+        mapped); the mesh axes the batch is split over."""
+        api = options.api
+        args, kwargs, spec = bind_arguments(
+            fun, self.in_axes, args, kwargs, eqx.if_array(0), api
+        )
+        tree = (args, kwargs)
+        axes = normalise_in_axes(tree, resolve_axes(tree, spec, "in_axes"), "in_axes")
+        batch_size = batch_size_of(tree, axes, self.axis_size, api)
+        sharding = None
+        if self.sharded and batch_size is not None:
+            sharding = find_batch_sharding(tree, axes, options.spmd_axis_name, api)
+        return Bound(tree, axes, batch_size, sharding)
+
+
+def run_batch(
+    batch: Batch,
+    chunk_size: int | None,
+    options: ChunkOptions,
+    sharding: BatchSharding | None = None,
+) -> ChunkOutput:
+    """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
+    `chunk_size`; on each device's shard if `sharding` splits it."""
+    if sharding is not None and not _collectives(batch, chunk_size, options, sharding):
+        # Each device chunks its own shard: see `_sharding.py`. What the batch
+        # closes over is an input there: closing over tracers breaks the transpose
+        # of `shard_map`.
+        on_device = batch._replace(closed=None, mapped=None, size=0)
+        return run_sharded(
+            ft.partial(_on_device, on_device, chunk_size, options),
+            batch.closed,
+            ft.partial(batch.chunk, batch.closed),
+            batch.mapped,
+            batch.in_axes,
+            batch_size=batch.size,
+            sharding=sharding,
+            api=options.api,
+        )
+    # Unsplit, or one `vmap` of the whole batch, as `eqx.filter_vmap`: XLA
+    # computes a collective across the devices.
+    return _run_local(batch, chunk_size, options)
+
+
+def _on_device(
+    batch: Batch, chunk_size: int | None, options: ChunkOptions, *local: Any
+) -> ChunkOutput:
+    """`_run_local` on one device's `closed, mapped, size`."""
+    closed, mapped, size = local
+    return _run_local(
+        batch._replace(closed=closed, mapped=mapped, size=size), chunk_size, options
+    )
+
+
+def _run_local(
+    batch: Batch, chunk_size: int | None, options: ChunkOptions
+) -> ChunkOutput:
+    """One `vmap` of the batch, or a scan over its chunks."""
+    chunk_fn: ChunkFn = ft.partial(batch.chunk, batch.closed)
+    if chunk_size is None or chunk_size >= batch.size:
+        return chunk_fn(batch.mapped, batch.size)
+    if batch.check is not None:
+        batch.check(batch.closed, batch.mapped, chunk_size)
+    _collectives(batch, chunk_size, options, None)
+    return run_in_chunks(
+        chunk_fn,
+        batch.mapped,
+        batch.in_axes,
+        batch_size=batch.size,
+        chunk_size=chunk_size,
+        remainder=options.remainder,
+        checkpoint=options.checkpoint,
+        progress_meter=options.progress_meter,
+        api=options.api,
+    )
+
+
+def _collectives(
+    batch: Batch,
+    chunk_size: int | None,
+    options: ChunkOptions,
+    sharding: BatchSharding | None,
+) -> bool:
+    """Whether the batch is evaluated in one `vmap` for its collectives (see
+    `check_collectives`, which raises if it would be chunked)."""
+    if batch.element is None:
+        return False
+    return check_collectives(
+        ft.partial(batch.element, batch.closed),
+        batch.mapped,
+        batch.in_axes,
+        options.axis_name,
+        batch_size=batch.size,
+        chunk_size=chunk_size,
+        sharding=sharding,
+        api=options.api,
+    )

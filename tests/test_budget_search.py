@@ -1,0 +1,264 @@
+"""Memory budgets choose the largest chunk size whose compiled program fits: on the
+benchmarks' workloads and random PyTrees, when nothing fits or everything does;
+the search's cache follows the traced program and makes repeated calls compile
+nothing."""
+
+import pathlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+from hypothesis import given, Phase, settings
+
+import filtered_chunk as fc
+from filtered_chunk._chunk_search import MAX_COMPILATIONS
+
+from .budgets import (
+    check_largest,
+    compiled_bytes,
+    derivative_bytes,
+    memory_analysis,
+    nonlinear_element,
+)
+from .helpers import count_compiles, tree_allclose
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import _workloads  # noqa: E402  # pyright: ignore[reportMissingImports]
+
+
+# The benchmarks' workloads (`benchmarks/_workloads.py`), at small sizes.
+def _small_workloads() -> list[Any]:
+    s = _workloads.Sizes(64, (8,), 32, 8)
+    return [
+        _workloads.pairwise_kernel(64, 8, s),
+        _workloads.wide_mlp(8, 64, 4, s),
+        _workloads.per_example_grads(8, 16, _workloads.Sizes(32, (8,), 16, 8)),
+        _workloads.shared_grad(8, 64, 4, s),
+        _workloads.ensemble(4, 16, 2, 16, _workloads.Sizes(16, (4,), 8, 4)),
+    ]
+
+
+def _workload_program(w: Any, chunk_size: Any) -> Callable[..., Any]:
+    mapped = fc.filter_chunked_vmap(
+        w.element, in_axes=w.in_axes, out_axes=w.out_axes, chunk_size=chunk_size
+    )
+    if w.objective == "grad":
+        return lambda p, *rest: jax.grad(lambda _p: jnp.sum(mapped(_p, *rest)))(p)
+    return mapped
+
+
+@pytest.mark.parametrize("w", _small_workloads(), ids=lambda w: w.key)
+# The benchmark (`benchmarks/budget.py`) also runs 1/4 and 1/2.
+@pytest.mark.parametrize("fraction", (1 / 8, 1 / 2))
+def test_workloads_fit_the_budget(w, fraction, choices):
+    # The benchmarks' functions broadcast as NumPy does.
+    with jax.numpy_rank_promotion("allow"):
+        _check_workload(w, fraction, choices)
+
+
+_WORKLOAD_BYTES: dict[tuple[str, int | None], int] = {}
+
+
+def _check_workload(w: Any, fraction: float, choices: list[Any]) -> None:
+    n = w.sizes.batch_size
+    args = w.make_args(n)
+
+    def bytes_at(k: int | None) -> int:
+        # Shared by the four budgets of a workload: each size compiles once.
+        if (w.key, k) not in _WORKLOAD_BYTES:
+            mapped = fc.filter_chunked_vmap(
+                w.element, in_axes=w.in_axes, out_axes=w.out_axes, chunk_size=k
+            )
+            measure = derivative_bytes if w.objective == "grad" else compiled_bytes
+            _WORKLOAD_BYTES[w.key, k] = measure(mapped, *args)
+        return _WORKLOAD_BYTES[w.key, k]
+
+    budget = int(fraction * bytes_at(None))
+    program = _workload_program(w, fc.MemoryBudget(budget))
+    expected = _workload_program(w, None)(*args)
+    if bytes_at(None) > budget and bytes_at(1) > budget:
+        with pytest.raises(ValueError, match=f"needs {bytes_at(1)} bytes"):
+            program(*args)
+        return
+    assert tree_allclose(program(*args), expected, rtol=1e-4, atol=1e-5)
+    (choice,) = choices
+    check_largest(bytes_at, choice, budget, n)
+    # Eagerly and under `jit` the same choice, from the cache: nothing compiled.
+    with count_compiles() as compiles:
+        jax.jit(program).lower(*args)
+    assert len(compiles) == 0
+    assert choices[-1] == choice
+
+
+@st.composite
+def pytree_cases(draw):
+    batch_size = draw(st.integers(1, 24))
+    widths = draw(st.lists(st.integers(1, 12), min_size=1, max_size=3))
+    remainder = draw(st.sampled_from(("overlap", "separate")))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    tree = {
+        f"x{i}": rng.standard_normal((batch_size, d)).astype(np.float32)
+        for i, d in enumerate(widths)
+    }
+    return tree, remainder, draw(st.floats(0.0, 1.2))
+
+
+def _pytree_fun(tree: dict[str, Any], scale: Any) -> Any:
+    # Each leaf makes a `d x d` temporary; the output holds one row of it.
+    return {k: jnp.tanh(jnp.outer(x, x)) @ x * scale for k, x in tree.items()}
+
+
+# Each example compiles the call at several chunk sizes: few examples suffice.
+@settings(max_examples=5, phases=(Phase.explicit, Phase.generate))
+@given(pytree_cases())
+def test_random_pytrees_fit_the_budget(case):
+    tree, remainder, where = case
+    n = next(iter(tree.values())).shape[0]
+
+    def chunked(chunk_size: Any) -> Callable[..., Any]:
+        return fc.filter_chunked_vmap(
+            _pytree_fun, in_axes=(0, None), chunk_size=chunk_size, remainder=remainder
+        )
+
+    bytes_at = lambda k: compiled_bytes(chunked(k), tree, 2.0)  # noqa: E731
+    whole = bytes_at(None)
+    smallest = min(whole, bytes_at(1)) if n > 1 else whole
+    budget = max(int(smallest * 0.9 + where * (whole - smallest * 0.9)), 1)
+    expected = eqx.filter_vmap(_pytree_fun, in_axes=(0, None))(tree, 2.0)
+    if budget < smallest:
+        with pytest.raises(ValueError, match="is too small for this call"):
+            chunked(fc.MemoryBudget(budget))(tree, 2.0)
+        return
+    choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), tree, 2.0)
+    check_largest(bytes_at, choice, budget, n, remainder)
+    assert tree_allclose(chunked(fc.MemoryBudget(budget))(tree, 2.0), expected)
+
+
+def _mlp_case(getkey):
+    mlp = eqx.nn.MLP(4, 2, 64, depth=1, key=getkey())
+    return mlp, jr.normal(getkey(), (40, 4))
+
+
+def test_nothing_fits_says_what_the_smallest_chunk_needs(getkey):
+    mlp, x = _mlp_case(getkey)
+    needs = compiled_bytes(fc.filter_chunked_vmap(mlp, chunk_size=1), x)
+    analysis = memory_analysis(fc.filter_chunked_vmap(mlp, chunk_size=1), x)
+    output_bytes = analysis.output_size_in_bytes
+    chunked = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(needs - 1))
+    match = (
+        rf"`filter_chunked_vmap\(\.\.\., chunk_size=MemoryBudget\({needs - 1}\)\)`: "
+        rf"the memory budget of {needs - 1} bytes .* is too small for this call\. "
+        rf"Even one element per chunk .* needs {needs} bytes .* of which "
+        rf"{output_bytes} bytes are outputs.* Give a budget of at least {needs} bytes"
+    )
+    with pytest.raises(ValueError, match=match):
+        chunked(x)
+    with pytest.raises(ValueError, match=match):
+        eqx.filter_jit(chunked)(x)
+    # At exactly that many bytes, one element per chunk is chosen.
+    exact = fc.MemoryBudget(needs)
+    assert fc.suggest_chunk_size(fc.filter_chunked_vmap(mlp, chunk_size=exact), x)
+    choice = fc.suggest_chunk_size(fc.filter_chunked_vmap(mlp, chunk_size=exact), x)
+    assert choice.chunk_size == 1 and choice.bytes == needs
+
+
+def test_whole_batch_when_it_fits(getkey):
+    mlp, x = _mlp_case(getkey)
+    whole = compiled_bytes(fc.filter_chunked_vmap(mlp), x)
+    chunked = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(whole))
+    choice = fc.suggest_chunk_size(chunked, x)
+    assert choice.chunk_size == 40 and choice.tried == ((40, whole),)
+    assert tree_allclose(chunked(x), jax.vmap(mlp)(x))
+
+
+def test_repeated_calls_compile_nothing_for_the_search(getkey):
+    # Shapes of its own: the cache is shared by every test in the process.
+    mlp = eqx.nn.MLP(5, 2, 96, depth=1, key=getkey())
+    x = jr.normal(getkey(), (48, 5))
+    whole = compiled_bytes(fc.filter_chunked_vmap(mlp), x)
+    chunked = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(whole // 3))
+    with count_compiles() as first:
+        choice = fc.suggest_chunk_size(chunked, x)
+    assert 3 <= len(first) <= 8 and len(first) == len(choice.tried)
+    with count_compiles() as again:
+        assert fc.suggest_chunk_size(chunked, x) == choice
+    assert len(again) == 0
+    with count_compiles() as eager:
+        out = chunked(x)
+    assert len(eager) == 1  # the call itself, chunked at the chosen size
+    with count_compiles() as eager_again:
+        chunked(x)
+    assert len(eager_again) == 0
+    # Under `jit`: only the outer program is compiled.
+    with count_compiles() as jitted:
+        jax.jit(lambda _x: chunked(_x))(x)
+    assert len(jitted) == 1
+    # A new wrapper of the same function shares the cache (it is keyed on the
+    # traced program, not on the wrapper).
+    with count_compiles() as rebuilt:
+        same = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(whole // 3))
+        assert fc.suggest_chunk_size(same, x) == choice
+    assert len(rebuilt) == 0
+    assert tree_allclose(out, jax.vmap(mlp)(x))
+
+
+def test_cache_follows_the_program_not_the_function(getkey):
+    x = jr.normal(getkey(), (64, 32))
+    budget = fc.MemoryBudget("256KiB")
+    # Same Python function, a different program: the closure's width changes.
+    width = [8]
+    f = lambda v: jnp.tanh(jnp.outer(v, jnp.ones(width[0]))) @ jnp.ones(width[0])
+    chunked = fc.filter_chunked_vmap(f, chunk_size=budget)
+    first = fc.suggest_chunk_size(chunked, x)
+    width[0] = 128
+    second = fc.suggest_chunk_size(chunked, x)
+    assert second.chunk_size < first.chunk_size
+    assert (
+        compiled_bytes(fc.filter_chunked_vmap(f, chunk_size=second.chunk_size), x)
+        <= 2**18
+    )
+    assert tree_allclose(chunked(x), jax.vmap(f)(x))
+
+
+@pytest.mark.parametrize("batch_size", (17, 30, 97))
+def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
+    # Above half the batch, one chunk and the remainder are live at once: the
+    # bytes jump and then fall, not affine in the size (issue 14, item 4).
+    xs = jr.normal(jr.key(1), (batch_size, 64))
+
+    def chunked(k: Any) -> Callable[..., Any]:
+        return fc.filter_chunked_vmap(
+            nonlinear_element, chunk_size=k, remainder="separate"
+        )
+
+    # Every size, or (larger batches) a sample of those above half of it.
+    exhaustive = batch_size < 20
+    step = 3 if batch_size < 50 else 6
+    sizes = (
+        range(1, batch_size + 1)
+        if exhaustive
+        else range(batch_size // 2, batch_size, step)
+    )
+    measured = {
+        k: compiled_bytes(chunked(k if k < batch_size else None), xs)
+        for k in {*sizes, batch_size // 2, batch_size - 1, batch_size}
+    }
+    budgets = [measured[batch_size] - 1, measured[batch_size // 2] + 1]
+    if exhaustive:
+        budgets.append((measured[1] + measured[batch_size // 2]) // 2)
+    for i, budget in enumerate(budgets):
+        with count_compiles() as compiles:
+            choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), xs)
+        # Later budgets reuse the measurements of earlier ones.
+        assert len(compiles) <= len(choice.tried) <= MAX_COMPILATIONS
+        assert i or len(compiles) == len(choice.tried)
+        largest = max(k for k, b in measured.items() if b <= budget)
+        assert choice.chunk_size == largest and choice.bytes == measured[largest]
