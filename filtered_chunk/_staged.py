@@ -32,7 +32,16 @@ from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
 from ._custom_types import CheckpointSpec
 from ._derivatives import checkpointed
 from ._progress import AbstractProgressMeter
-from ._staged_passes import combine, finish, initial, kind, read, reduce_chunk, unstaged
+from ._staged_passes import (
+    combine,
+    finish,
+    initial,
+    kind,
+    read,
+    reduce_chunk,
+    typed,
+    unstaged,
+)
 from ._staged_plan import check_custom_rules, FINAL, make_plan, Plan, UNMAPPED
 from ._staged_program import axis_names, bind, staged_program, struct
 
@@ -63,7 +72,11 @@ def _evaluate(
             out = bind(eqn, [get(v) for v in eqn.invars])
         for v, x in zip(eqn.outvars, out, strict=True):
             env[v] = x
-    return [get(v) for v in plan.targets[stage]]
+    # A literal output (a constant) gets its type from the jaxpr, weak or not.
+    return [
+        typed(jnp.asarray(v.val), v.aval) if isinstance(v, jex.Literal) else env[v]
+        for v in plan.targets[stage]
+    ]
 
 
 def _operands(plan: Plan, level: int) -> list[tuple[int, str, Any]]:
@@ -180,21 +193,28 @@ def run_staged(
     remainder: str,
     checkpoint: CheckpointSpec,
     axis_name: Hashable,
+    in_axes: list[int] | None = None,
     api: str = "filter_chunked_vmap",
     progress_meter: AbstractProgressMeter | None = None,
-) -> tuple[list[Array], list[Array], Any, int]:
+) -> tuple[list[Array], list[Any], Any, int]:
     """`jax.vmap(fun, axis_name=axis_name)` over `batch_size` elements, with its
     collectives over `axis_name` computed exactly across chunks of `chunk_size`.
 
     `fun(mapped, unmapped)` takes one element's mapped leaves and the unmapped
     leaves (lists of arrays) and returns `(mapped_out, unmapped_out, aux)`: lists
-    of arrays and anything static. `mapped` holds the leaves with the batch on axis
-    0. Returns `(mapped_out, unmapped_out, aux, num_passes)`: the mapped outputs
-    with the batch on axis 0, the unmapped outputs (which must not vary over the
-    batch, else `VaryingUnmappedOutput`), `aux` from tracing `fun`, and the number
-    of passes before the final one. Raises a `ValueError` naming the collective
-    where it cannot be computed exactly (see `_staged_program.py`).
+    of arrays and anything static. `mapped` holds the leaves with the batch on
+    their `in_axes` (default: axis 0 of each; another axis costs one transpose of
+    that leaf). `progress_meter` (labelled `api`) counts the final pass.
+
+    Returns `(mapped_out, unmapped_out, aux, num_passes)`: the mapped outputs with
+    the batch on axis 0; the unmapped outputs, which must not vary over the batch
+    (else `VaryingUnmappedOutput`), those that no trace computed as they are (as
+    `jax.vmap` returns them); `aux` from tracing `fun`; and the number of passes
+    before the final one. Raises a `ValueError` naming the collective where it
+    cannot be computed exactly (see `_staged_program.py`).
     """
+    if in_axes is not None:
+        mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
     if not 0 < chunk_size < batch_size:
         return _one_vmap(fun, mapped, unmapped, batch_size, axis_name)
     elements = [
@@ -216,7 +236,10 @@ def run_staged(
     out_mapped = _final(plan, fixed, results, mapped, progress_meter, api, **options)
     args = _with_mapped(plan, fixed, [None] * program.num_mapped_in)
     out_unmapped = _evaluate(plan, UNMAPPED, args, results, None)
-    out_unmapped = [jnp.asarray(x) for x in out_unmapped]
+    out_unmapped = [
+        value if untraced else x
+        for x, (untraced, value) in zip(out_unmapped, program.kept, strict=True)
+    ]
     return out_mapped, out_unmapped, program.aux, plan.num_passes
 
 
@@ -263,7 +286,7 @@ def _one_vmap(
     unmapped: list[Array],
     batch_size: int,
     axis_name: Hashable,
-) -> tuple[list[Array], list[Array], Any, int]:
+) -> tuple[list[Array], list[Any], Any, int]:
     """The whole batch in one `jax.vmap`: no chunk to stage over."""
     aux = []
 

@@ -169,6 +169,8 @@ class Program:
     aux: Any
     axis_name: Hashable
     batch_size: int
+    # Per unmapped output: `(True, value)` if it is a value no trace computed.
+    kept: list[tuple[bool, Any]]
 
 
 def staged_program(
@@ -185,12 +187,15 @@ def staged_program(
 
     def _fun(_mapped: list[Array], _unmapped: list[Array]) -> list[Any]:
         out_mapped, out_unmapped, _aux = fun(_mapped, _unmapped)
-        aux.append((len(out_mapped), _aux))
+        # An unmapped output that no trace computed is returned as it is, as
+        # `jax.vmap` does (a Python float stays one).
+        kept = [(not isinstance(x, jax.core.Tracer), x) for x in out_unmapped]
+        aux.append((len(out_mapped), _aux, kept))
         return list(out_mapped) + list(out_unmapped)
 
     env = [(axis_name, batch_size)]
     closed = jax.make_jaxpr(_fun, axis_env=env)(mapped, unmapped)
-    num_mapped_out, aux_value = aux[0]
+    num_mapped_out, aux_value, kept = aux[0]
     varying = [False] * len(closed.consts) + [True] * len(mapped)
     varying += [False] * len(unmapped)
     handle = _Inliner(axis_name, api)
@@ -208,6 +213,7 @@ def staged_program(
         aux_value,
         axis_name,
         batch_size,
+        kept,
     )
 
 
