@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array
