@@ -416,7 +416,7 @@ def test_chunk_at_least_batch_is_one_vmap(getkey):
         assert tree_allclose(actual, _vmap(_all_collectives, [x], [jnp.array(1.0)]))
 
 
-_OPS = ("psum", "pmean", "pmax", "pmin", "gather", "index", "sin", "times_x")
+_OPS = ("psum", "pmean", "pmax", "pmin", "gather", "shift", "index", "sin", "times_x")
 
 
 def _compose(ops):
@@ -426,6 +426,9 @@ def _compose(ops):
         for op in ops:
             if op == "gather":
                 y = y + lax.all_gather(y, "i").mean(0)
+            elif op == "shift":
+                n = lax.axis_size("i")
+                y = y - lax.ppermute(y, "i", [(j, (j + 1) % n) for j in range(n)])
             elif op == "index":
                 y = y + 0.1 * lax.axis_index("i").astype(y.dtype)
             elif op == "sin":
@@ -484,3 +487,20 @@ def test_mapped_axis_and_constant_outputs(getkey):
     )(x)
     assert tree_allclose(out[:2], expected)
     assert out[2:] == ("aux", 1)
+
+
+def test_closed_over_parameters_get_gradients(getkey):
+    # The transforms close `fun` over the unmapped arguments: under `jax.grad`
+    # (and `jit`), those are tracers that the staged program must differentiate.
+    x = jr.normal(getkey(), (7, 3))
+    w = jr.normal(getkey(), (3,))
+
+    def loss(run):
+        def _loss(_w):
+            fun = lambda m, u: ([m[0] * _w / lax.psum(jnp.exp(m[0] @ _w), "i")], [])
+            return jnp.sum(run(fun, [x], [])[0][0] ** 2)
+
+        return _loss
+
+    staged = lambda f, m, u: _staged(f, m, u, 3, "separate")
+    assert tree_allclose(jax.grad(loss(staged))(w), jax.grad(loss(_vmap))(w))
