@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
 from filtered_chunk._staged import run_staged
 from filtered_chunk._staged_plan import VaryingUnmappedOutput
@@ -455,6 +455,8 @@ def _cases(draw):
     return tuple(ops), chunk_size, remainder, x
 
 
+# Each example compiles a few loops over the batch: fewer than the `ci` profile's.
+@settings(max_examples=min(settings().max_examples, 40))
 @given(_cases())
 def test_random_compositions_match_vmap(case):
     ops, chunk_size, remainder, x = case
@@ -504,3 +506,55 @@ def test_closed_over_parameters_get_gradients(getkey):
 
     staged = lambda f, m, u: _staged(f, m, u, 3, "separate")
     assert tree_allclose(jax.grad(loss(staged))(w), jax.grad(loss(_vmap))(w))
+
+
+def test_custom_rules_without_collectives_are_honoured(getkey):
+    @jax.custom_vjp
+    def clip_gradient(y):
+        return y
+
+    clip_gradient.defvjp(lambda y: (y, None), lambda _, g: (jnp.clip(g, -0.1, 0.1),))
+
+    @jax.custom_jvp
+    def rule_only(y):
+        return jnp.sin(y)
+
+    rule_only.defjvp(lambda p, t: (rule_only(p[0]), 3.0 * t[0]))
+
+    x = jr.normal(getkey(), (7, 2))
+    fun = lambda m, u: (
+        [clip_gradient(m[0]) * rule_only(m[0]) / lax.psum(m[0] ** 2, "i")],
+        [],
+    )
+    loss = lambda run: lambda _x: jnp.sum(run(fun, [_x], [])[0][0])
+    # `"separate"`: with `"overlap"`, the library's loop gives each copy of a
+    # recomputed row half its cotangent, which a clipping rule does not respect.
+    staged = lambda f, m, u: _staged(f, m, u, 3, "separate")
+    assert tree_allclose(jax.grad(loss(staged))(x), jax.grad(loss(_vmap))(x))
+
+
+def test_refuses_collective_in_a_custom_jvp_rule():
+    @jax.custom_jvp
+    def f(y):
+        return 2 * y
+
+    f.defjvp(lambda p, t: (f(p[0]), lax.pmean(t[0], "i")))
+    _refused(
+        lambda m, u: ([f(m[0]) * lax.psum(m[0], "i")], []),
+        r"`lax.psum`.*only by a custom derivative rule",
+    )
+
+
+def test_callbacks_run_in_the_final_pass_only():
+    calls = []
+    x = jnp.arange(14.0).reshape(7, 2)
+
+    def fun(m, u):
+        jax.debug.callback(lambda _: calls.append(1), m[0])
+        return [m[0] / lax.psum(m[0], "i") - lax.pmax(m[0], "i")], []
+
+    _vmap(fun, [x], [])
+    assert len(calls) == 7
+    calls.clear()
+    _staged(fun, [x], [], 3, "separate")
+    assert len(calls) == 7  # once per element, though there are three loops
