@@ -21,15 +21,18 @@ import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import Array, Bool
+from jaxtyping import Array, Bool, PyTree
 
+from ._axes import describe
 from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
-from ._custom_types import CheckpointSpec
+from ._custom_types import CheckpointSpec, InputArray, keep_untraced
 from ._derivatives import checkpointed
 from ._progress import AbstractProgressMeter
 from ._staged_passes import (
@@ -42,7 +45,14 @@ from ._staged_passes import (
     typed,
     unstaged,
 )
-from ._staged_plan import check_custom_rules, FINAL, make_plan, Plan, UNMAPPED
+from ._staged_plan import (
+    check_custom_rules,
+    FINAL,
+    make_plan,
+    Plan,
+    UNMAPPED,
+    VaryingUnmappedOutput,
+)
 from ._staged_program import axis_names, bind, staged_program, struct
 
 
@@ -300,3 +310,67 @@ def _one_vmap(
     )
     out_mapped, out_unmapped = vmapped(list(mapped))
     return out_mapped, out_unmapped, aux[0], 0
+
+
+def run_staged_vmap(
+    element: Callable[[PyTree[Array]], tuple[Any, Any, Any]],
+    mapped: PyTree[InputArray],
+    in_axes: PyTree[int | None],
+    *,
+    batch_size: int,
+    chunk_size: int,
+    remainder: str,
+    checkpoint: CheckpointSpec,
+    axis_name: Hashable,
+    progress_meter: AbstractProgressMeter | None = None,
+    api: str = "filter_chunked_vmap",
+) -> ChunkOutput:
+    """What `run_in_chunks` returns for `filter_chunked_vmap`'s chunk function,
+    with the collectives over `axis_name` staged: the call for the dispatch.
+
+    `element(mapped)` is `fun` on one element (`mapped` the mapped leaves without
+    their batch axis), returning `(out_mapped, out_unmapped_arrays,
+    Static((out_unmapped_static, out_axes)))`, as `_chunked_vmap._evaluate` does;
+    `mapped` and `in_axes` are the call's mapped leaves and their axes.
+    """
+    leaves, treedef = jtu.tree_flatten(mapped)
+    paths: list[str] = []
+
+    def _fun(_mapped: list[Array], _unmapped: list[Array]) -> Any:
+        del _unmapped
+        out_mapped, out_unmapped, static = element(jtu.tree_unflatten(treedef, _mapped))
+        flat, unmapped_def = jtu.tree_flatten_with_path(out_unmapped)
+        paths[:] = [describe("output", path) for path, _ in flat]
+        m, mapped_def = jtu.tree_flatten(out_mapped)
+        return m, [x for _, x in flat], (mapped_def, unmapped_def, static)
+
+    try:
+        out_mapped, out_unmapped, aux, _ = run_staged(
+            _fun,
+            leaves,
+            [],
+            batch_size=batch_size,
+            chunk_size=chunk_size,
+            remainder=remainder,
+            checkpoint=checkpoint,
+            axis_name=axis_name,
+            in_axes=list(jtu.tree_leaves(in_axes)),
+            api=api,
+            progress_meter=progress_meter,
+        )
+    except VaryingUnmappedOutput as e:
+        raise ValueError(
+            f"`{api}(..., out_axes=...)` gives `None` for `{paths[e.index]}`, but it "
+            "varies over the batch. An output marked `None` must not depend on the "
+            "mapped inputs; give it an integer out axis to map it instead."
+        ) from None
+    mapped_def, unmapped_def, static = aux
+    out_static, out_axes = static.value
+    axes = tuple(jtu.tree_leaves(out_axes))
+    moved = [jnp.moveaxis(x, 0, a) for x, a in zip(out_mapped, axes, strict=True)]
+    # What no trace computed is returned as it is (`jax.vmap` does the same).
+    out_unmapped, kept = keep_untraced(jtu.tree_unflatten(unmapped_def, out_unmapped))
+    out_static = eqx.combine(out_static, kept)
+    return ChunkOutput(
+        jtu.tree_unflatten(mapped_def, moved), axes, out_unmapped, out_static
+    )

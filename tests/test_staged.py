@@ -1,5 +1,7 @@
 """The staged evaluation of collectives across chunks, against `jax.vmap`."""
 
+import functools as ft
+
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
@@ -10,7 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from filtered_chunk._staged import run_staged
+from filtered_chunk._chunked_vmap import _evaluate, _split_output
+from filtered_chunk._custom_types import unwrap_kept
+from filtered_chunk._staged import run_staged, run_staged_vmap
 from filtered_chunk._staged_plan import VaryingUnmappedOutput
 
 from .helpers import tree_allclose
@@ -558,3 +562,48 @@ def test_callbacks_run_in_the_final_pass_only():
     calls.clear()
     _staged(fun, [x], [], 3, "separate")
     assert len(calls) == 7  # once per element, though there are three loops
+
+
+@pytest.mark.parametrize("mode, remainder", [("ema", "separate"), ("batch", "overlap")])
+def test_dispatch_call_matches_filter_vmap(mode, remainder, getkey):
+    # `run_staged_vmap` on `filter_chunked_vmap`'s per-element function: the
+    # outputs, with the new `eqx.nn.State`, are `eqx.filter_vmap`'s.
+    model, state = eqx.nn.make_with_state(_MLP)(mode, getkey())
+    x = jr.normal(getkey(), (9, 3))
+    out_axes = (0, None)
+
+    @eqx.filter_jit
+    def staged(_model, _x, _state):
+        mapped, static = ((_x, None), {}), ((None, _state), {})
+        element = ft.partial(_evaluate, _model, out_axes, static)
+        out = run_staged_vmap(
+            element,
+            mapped,
+            ((0, None), {}),
+            batch_size=9,
+            chunk_size=4,
+            remainder=remainder,
+            checkpoint=True,
+            axis_name="batch",
+        )
+        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
+
+    expected = eqx.filter_vmap(
+        model, in_axes=(0, None), out_axes=out_axes, axis_name="batch"
+    )(x, state)
+    assert tree_allclose(staged(model, x, state), expected)
+
+
+def test_dispatch_call_names_a_varying_unmapped_output():
+    element = lambda m: _split_output({"w": m[0] * lax.psum(m[0], "i")}, None, True)
+    with pytest.raises(ValueError, match=r"gives `None` for `output\['w'\]`"):
+        run_staged_vmap(
+            element,
+            (jnp.ones((5, 2)),),
+            (0,),
+            batch_size=5,
+            chunk_size=2,
+            remainder="overlap",
+            checkpoint=True,
+            axis_name="i",
+        )
