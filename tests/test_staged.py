@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from filtered_chunk._chunked_vmap import _evaluate, _split_output
+from filtered_chunk._chunked_vmap import _evaluate
 from filtered_chunk._custom_types import unwrap_kept
 from filtered_chunk._staged import run_staged, run_staged_vmap
-from filtered_chunk._staged_plan import VaryingUnmappedOutput
 
 from .helpers import tree_allclose
+from .staged_cases import staged_call, vmap_call
 
 
 K = 3
@@ -25,39 +25,6 @@ K = 3
 SIZES = (0, 1, K - 1, K, K + 1, 2 * K + 1, 11)
 REMAINDERS = ("overlap", "separate")
 CASES = [(n, "overlap") for n in SIZES] + [(n, "separate") for n in SIZES if n > K]
-
-
-def _staged(fun, mapped, unmapped, chunk_size, remainder="overlap", **kwargs):
-    """`run_staged` on a `fun(mapped, unmapped) -> (mapped_out, unmapped_out)`."""
-    batch_size = mapped[0].shape[0]
-    auxes = []
-
-    # Under `jit`, as the chunked transforms run it: eagerly, every operation
-    # would compile on its own.
-    @jax.jit
-    def _run(_mapped, _unmapped):
-        out_mapped, out_unmapped, aux, _ = run_staged(
-            lambda m, u: (*fun(m, u), "aux"),
-            _mapped,
-            _unmapped,
-            batch_size=batch_size,
-            chunk_size=chunk_size,
-            remainder=remainder,
-            checkpoint=kwargs.get("checkpoint", True),
-            axis_name=kwargs.get("axis_name", "i"),
-        )
-        auxes.append(aux)
-        return out_mapped, out_unmapped
-
-    out = _run(list(mapped), list(unmapped))
-    assert auxes == ["aux"]
-    return out
-
-
-def _vmap(fun, mapped, unmapped, axis_name="i"):
-    return jax.vmap(
-        lambda m: fun(m, unmapped), out_axes=(0, None), axis_name=axis_name
-    )(list(mapped))
 
 
 def _passes(fun, mapped, unmapped, chunk_size):
@@ -107,8 +74,8 @@ def test_every_collective_matches_vmap(batch_size, remainder, getkey):
     x = jr.normal(getkey(), (batch_size, 2))
     w = jnp.array(1.5)
     fun = _all_collectives if batch_size else _no_shuffles
-    expected = _vmap(fun, [x], [w])
-    actual = _staged(fun, [x], [w], K, remainder)
+    expected = vmap_call(fun, [x], [w])
+    actual = staged_call(fun, [x], [w], K, remainder)
     assert tree_allclose(actual, expected)
 
 
@@ -146,12 +113,12 @@ def _batch_min(xs):
 def test_each_collective_and_its_gradient(collective, chunk_size, getkey):
     x = jr.normal(getkey(), (5, 3, 10))
     fun = lambda m, u: ([jnp.sin(collective(m[0]))], [])
-    expected = _vmap(fun, [x], [])
-    assert tree_allclose(_staged(fun, [x], [], chunk_size), expected)
+    expected = vmap_call(fun, [x], [])
+    assert tree_allclose(staged_call(fun, [x], [], chunk_size), expected)
     ct = jr.normal(getkey(), expected[0][0].shape)
     loss = lambda run: lambda _x: jnp.sum(run(fun, [_x], [])[0][0] * ct)
-    expected_grad = jax.grad(loss(_vmap))(x)
-    staged = lambda f, m, u: _staged(f, m, u, chunk_size)
+    expected_grad = jax.grad(loss(vmap_call))(x)
+    staged = lambda f, m, u: staged_call(f, m, u, chunk_size)
     assert tree_allclose(jax.grad(loss(staged))(x), expected_grad)
 
 
@@ -167,9 +134,9 @@ def test_pmax_pmin_and_their_gradients(collective, batch, chunk_size, getkey):
     x = x.at[4, 1].set(x[1, 1]).at[0, 2].set(jnp.max(x[:, 2]) + 1)
     x = x.at[2, 2].set(x[0, 2]).at[4, 2].set(x[0, 2])
     fun = lambda m, u: ([jnp.sin(getattr(lax, collective)(m[0], "i"))], [])
-    assert tree_allclose(_staged(fun, [x], [], chunk_size), _vmap(fun, [x], []))
+    assert tree_allclose(staged_call(fun, [x], [], chunk_size), vmap_call(fun, [x], []))
     ct = jr.normal(getkey(), x.shape)
-    staged = lambda _x: jnp.sum(_staged(fun, [_x], [], chunk_size)[0][0] * ct)
+    staged = lambda _x: jnp.sum(staged_call(fun, [_x], [], chunk_size)[0][0] * ct)
     oracle = lambda _x: jnp.sum(jnp.sin(batch(_x)) * ct)
     assert tree_allclose(jax.grad(staged)(x), jax.grad(oracle)(x))
 
@@ -212,16 +179,16 @@ def test_normalised_loss_derivatives(batch_size, remainder, getkey):
 
         return _loss
 
-    staged = lambda f, m, u: _staged(f, m, u, K, remainder)
+    staged = lambda f, m, u: staged_call(f, m, u, K, remainder)
     grads = jax.grad(loss(staged), argnums=(0, 1))(x, w)
-    assert tree_allclose(grads, jax.grad(loss(_vmap), argnums=(0, 1))(x, w))
+    assert tree_allclose(grads, jax.grad(loss(vmap_call), argnums=(0, 1))(x, w))
     jac = lambda run: jax.jacrev(lambda _w: run(_normalised_loss, [x], [_w])[0][0])
-    assert tree_allclose(jac(staged)(w), jac(_vmap)(w))
+    assert tree_allclose(jac(staged)(w), jac(vmap_call)(w))
     tx, tw = jr.normal(getkey(), x.shape), jr.normal(getkey(), w.shape)
     jvp = lambda run: jax.jvp(loss(run), (x, w), (tx, tw))
-    assert tree_allclose(jvp(staged), jvp(_vmap))
+    assert tree_allclose(jvp(staged), jvp(vmap_call))
     jitted = jax.jit(lambda _x, _w: loss(staged)(_x, _w))
-    assert tree_allclose(jitted(x, w), loss(_vmap)(x, w))
+    assert tree_allclose(jitted(x, w), loss(vmap_call)(x, w))
 
 
 def test_pmax_ties_share_the_gradient():
@@ -230,7 +197,7 @@ def test_pmax_ties_share_the_gradient():
     fun = lambda m, u: ([lax.pmax(m[0], "i") * (1.0 + m[0])], [])
     oracle = lambda _x: jnp.sum(_batch_max(_x) * (1.0 + _x))
     for remainder in REMAINDERS:
-        staged = lambda _x: jnp.sum(_staged(fun, [_x], [], 2, remainder)[0][0])
+        staged = lambda _x: jnp.sum(staged_call(fun, [_x], [], 2, remainder)[0][0])
         assert tree_allclose(jax.grad(staged)(x), jax.grad(oracle)(x))
 
 
@@ -270,7 +237,7 @@ def test_batch_norm_training(mode, remainder, getkey):
     expected = eqx.filter_vmap(
         model, in_axes=(0, None), out_axes=(0, None), axis_name="batch"
     )(x, state)
-    y, new_state = _staged(fun, [x], leaves, 4, remainder, axis_name="batch")
+    y, new_state = staged_call(fun, [x], leaves, 4, remainder, axis_name="batch")
     assert tree_allclose(y[0], expected[0])
     assert tree_allclose(new_state, jax.tree.leaves(expected[1]))
 
@@ -288,8 +255,8 @@ def test_batch_norm_training(mode, remainder, getkey):
     leaves = [u for d, u in zip(inexact, leaves_) if d]
     leaves, diff = leaves_, leaves
 
-    staged = lambda f, m, u: _staged(f, m, u, 4, remainder, axis_name="batch")
-    oracle = lambda f, m, u: _vmap(f, m, u, axis_name="batch")
+    staged = lambda f, m, u: staged_call(f, m, u, 4, remainder, axis_name="batch")
+    oracle = lambda f, m, u: vmap_call(f, m, u, axis_name="batch")
     assert tree_allclose(jax.grad(loss(staged))(diff), jax.grad(loss(oracle))(diff))
 
 
@@ -302,9 +269,9 @@ def test_under_outer_vmap_and_outer_names(getkey):
         outer = lax.pmax(x, "j")
         return [x * both - outer + lax.pmean(x * outer, ("j", "i"))], []
 
-    expected = jax.vmap(lambda _x: _vmap(fun, [_x], []), axis_name="j")(x)
+    expected = jax.vmap(lambda _x: vmap_call(fun, [_x], []), axis_name="j")(x)
     for remainder in REMAINDERS:
-        staged = lambda _x: _staged(fun, [_x], [], 3, remainder)
+        staged = lambda _x: staged_call(fun, [_x], [], 3, remainder)
         actual = jax.vmap(staged, axis_name="j")(x)
         assert tree_allclose(actual, expected)
 
@@ -313,8 +280,8 @@ def test_outer_vmap_of_unnamed_axis(getkey):
     x = jr.normal(getkey(), (3, 8, 2))
     w = jr.normal(getkey(), (3, 2))
     fun = lambda m, u: ([m[0] * lax.pmean(m[0] * u[0], "i")], [lax.pmax(u[0], "i")])
-    expected = jax.vmap(lambda _x, _w: _vmap(fun, [_x], [_w]))(x, w)
-    actual = jax.vmap(lambda _x, _w: _staged(fun, [_x], [_w], 3))(x, w)
+    expected = jax.vmap(lambda _x, _w: vmap_call(fun, [_x], [_w]))(x, w)
+    actual = jax.vmap(lambda _x, _w: staged_call(fun, [_x], [_w], 3))(x, w)
     assert tree_allclose(actual, expected)
 
 
@@ -323,17 +290,19 @@ def test_select_of_cond_with_varying_predicate(getkey):
     branch = lambda y: lax.psum(y, "i") * y
     other = lambda y: lax.pmean(jnp.sin(y), "i") + y
     fun = lambda m, u: ([lax.cond(m[0][0] > 0, branch, other, m[0])], [])
-    assert tree_allclose(_staged(fun, [x], [], 2), _vmap(fun, [x], []))
+    assert tree_allclose(staged_call(fun, [x], [], 2), vmap_call(fun, [x], []))
     # The gradient of `jax.vmap` of this `cond` is wrong in jax 0.10 (it disagrees
     # with finite differences); that of the `select` it stands for is right.
     where = lambda m, u: ([jnp.where(m[0][0] > 0, branch(m[0]), other(m[0]))], [])
-    assert tree_allclose(_staged(where, [x], [], 2), _vmap(fun, [x], []))
+    assert tree_allclose(staged_call(where, [x], [], 2), vmap_call(fun, [x], []))
     loss = lambda run, f: lambda _x: jnp.sum(run(f, [_x], [])[0][0] ** 2)
-    staged = lambda f, m, u: _staged(f, m, u, 2)
-    expected = jax.grad(loss(_vmap, where))(x)
+    staged = lambda f, m, u: staged_call(f, m, u, 2)
+    expected = jax.grad(loss(vmap_call, where))(x)
     assert tree_allclose(jax.grad(loss(staged, fun))(x), expected)
     step = 1e-6 * jnp.zeros_like(x).at[1, 0].set(1.0)
-    difference = (loss(_vmap, fun)(x + step) - loss(_vmap, fun)(x - step)) / 2e-6
+    difference = (
+        loss(vmap_call, fun)(x + step) - loss(vmap_call, fun)(x - step)
+    ) / 2e-6
     assert jnp.allclose(expected[1, 0], difference, rtol=1e-4)
 
 
@@ -344,80 +313,14 @@ def test_inlines_jit_and_checkpoint(getkey):
         [jax.checkpoint(lambda y: inner(y) * lax.pmean(y, "i"))(m[0])],
         [],
     )
-    assert tree_allclose(_staged(fun, [x], [], 3), _vmap(fun, [x], []))
-
-
-def _refused(fun, match, x=None):
-    x = jnp.ones((5, 2)) if x is None else x
-    with pytest.raises(ValueError, match=match):
-        _staged(fun, [x], [], 2)
-
-
-def test_refuses_collective_in_loops():
-    def scan(m, u):
-        step = lambda c, _: (lax.psum(c, "i") * 0.5, None)
-        return [lax.scan(step, m[0], length=2)[0]], []
-
-    _refused(scan, r"`lax.psum`.*inside a `lax.scan` body.*Move the collective")
-
-    def loop(m, u):
-        body = lambda c: lax.pmax(c, "i") - 1.0
-        return [lax.while_loop(lambda c: c[0] > 0, body, m[0])], []
-
-    _refused(loop, r"`lax.pmax`.*inside a `lax.while_loop` body")
-
-
-def test_refuses_cond_with_invariant_predicate():
-    def fun(m, u):
-        return [lax.cond(u[0] > 0, lambda y: lax.psum(y, "i"), lambda y: y, m[0])], []
-
-    with pytest.raises(ValueError, match=r"`lax.psum`.*`lax.cond`.*same for every"):
-        _staged(fun, [jnp.ones((5, 2))], [jnp.array(1.0)], 2)
-
-
-def test_refuses_collective_in_custom_rules():
-    @jax.custom_vjp
-    def scaled(y):
-        return 2 * y
-
-    scaled.defvjp(lambda y: (2 * y, None), lambda _, g: (lax.psum(g, "i"),))
-    _refused(
-        lambda m, u: ([scaled(m[0])], []),
-        r"`lax.psum`.*only by a custom derivative rule.*custom_vjp",
-    )
-
-    @jax.custom_jvp
-    def normalise(y):
-        return y / lax.psum(y, "i")
-
-    normalise.defjvp(lambda p, t: (normalise(p[0]), t[0]))
-    _refused(
-        lambda m, u: ([normalise(m[0])], []),
-        r"`lax.psum`.*custom-derivative function 'normalise'.*rule would be lost",
-    )
-
-
-def test_refuses_groups_and_gathers_over_several_names():
-    groups = lambda m, u: ([lax.psum(m[0], "i", axis_index_groups=[[0, 1]])], [])
-    with pytest.raises(ValueError, match=r"`lax.psum`.*`axis_index_groups`"):
-        _staged(groups, [jnp.ones((4, 2))], [], 2)
-    x = jnp.ones((2, 5, 2))
-    gather = lambda m, u: ([lax.all_gather(m[0], ("i", "j")).sum()], [])
-    with pytest.raises(ValueError, match=r"`lax.all_gather`.*names other axes"):
-        jax.vmap(lambda _x: _staged(gather, [_x], [], 2), axis_name="j")(x)
-
-
-def test_varying_unmapped_output():
-    fun = lambda m, u: ([], [m[0] * lax.psum(m[0], "i")])
-    with pytest.raises(VaryingUnmappedOutput, match="gives `None` for an output"):
-        _staged(fun, [jnp.ones((5, 2))], [], 2)
+    assert tree_allclose(staged_call(fun, [x], [], 3), vmap_call(fun, [x], []))
 
 
 def test_chunk_at_least_batch_is_one_vmap(getkey):
     x = jr.normal(getkey(), (4, 2))
     for chunk_size in (4, 9):
-        actual = _staged(_all_collectives, [x], [jnp.array(1.0)], chunk_size)
-        assert tree_allclose(actual, _vmap(_all_collectives, [x], [jnp.array(1.0)]))
+        actual = staged_call(_all_collectives, [x], [jnp.array(1.0)], chunk_size)
+        assert tree_allclose(actual, vmap_call(_all_collectives, [x], [jnp.array(1.0)]))
 
 
 _OPS = ("psum", "pmean", "pmax", "pmin", "gather", "shift", "index", "sin", "times_x")
@@ -465,8 +368,8 @@ def _cases(draw):
 def test_random_compositions_match_vmap(case):
     ops, chunk_size, remainder, x = case
     fun = _compose(ops)
-    expected = _vmap(fun, [jnp.asarray(x)], [])
-    actual = _staged(fun, [jnp.asarray(x)], [], chunk_size, remainder)
+    expected = vmap_call(fun, [jnp.asarray(x)], [])
+    actual = staged_call(fun, [jnp.asarray(x)], [], chunk_size, remainder)
     assert tree_allclose(actual, expected, rtol=1e-6)
 
 
@@ -508,8 +411,8 @@ def test_closed_over_parameters_get_gradients(getkey):
 
         return _loss
 
-    staged = lambda f, m, u: _staged(f, m, u, 3, "separate")
-    assert tree_allclose(jax.grad(loss(staged))(w), jax.grad(loss(_vmap))(w))
+    staged = lambda f, m, u: staged_call(f, m, u, 3, "separate")
+    assert tree_allclose(jax.grad(loss(staged))(w), jax.grad(loss(vmap_call))(w))
 
 
 def test_custom_rules_without_collectives_are_honoured(getkey):
@@ -533,20 +436,8 @@ def test_custom_rules_without_collectives_are_honoured(getkey):
     loss = lambda run: lambda _x: jnp.sum(run(fun, [_x], [])[0][0])
     # `"separate"`: with `"overlap"`, the library's loop gives each copy of a
     # recomputed row half its cotangent, which a clipping rule does not respect.
-    staged = lambda f, m, u: _staged(f, m, u, 3, "separate")
-    assert tree_allclose(jax.grad(loss(staged))(x), jax.grad(loss(_vmap))(x))
-
-
-def test_refuses_collective_in_a_custom_jvp_rule():
-    @jax.custom_jvp
-    def f(y):
-        return 2 * y
-
-    f.defjvp(lambda p, t: (f(p[0]), lax.pmean(t[0], "i")))
-    _refused(
-        lambda m, u: ([f(m[0]) * lax.psum(m[0], "i")], []),
-        r"`lax.psum`.*only by a custom derivative rule",
-    )
+    staged = lambda f, m, u: staged_call(f, m, u, 3, "separate")
+    assert tree_allclose(jax.grad(loss(staged))(x), jax.grad(loss(vmap_call))(x))
 
 
 def test_callbacks_run_in_the_final_pass_only():
@@ -557,10 +448,10 @@ def test_callbacks_run_in_the_final_pass_only():
         jax.debug.callback(lambda _: calls.append(1), m[0])
         return [m[0] / lax.psum(m[0], "i") - lax.pmax(m[0], "i")], []
 
-    _vmap(fun, [x], [])
+    vmap_call(fun, [x], [])
     assert len(calls) == 7
     calls.clear()
-    _staged(fun, [x], [], 3, "separate")
+    staged_call(fun, [x], [], 3, "separate")
     assert len(calls) == 7  # once per element, though there are three loops
 
 
@@ -592,18 +483,3 @@ def test_dispatch_call_matches_filter_vmap(mode, remainder, getkey):
         model, in_axes=(0, None), out_axes=out_axes, axis_name="batch"
     )(x, state)
     assert tree_allclose(staged(model, x, state), expected)
-
-
-def test_dispatch_call_names_a_varying_unmapped_output():
-    element = lambda m: _split_output({"w": m[0] * lax.psum(m[0], "i")}, None, True)
-    with pytest.raises(ValueError, match=r"gives `None` for `output\['w'\]`"):
-        run_staged_vmap(
-            element,
-            (jnp.ones((5, 2)),),
-            (0,),
-            batch_size=5,
-            chunk_size=2,
-            remainder="overlap",
-            checkpoint=True,
-            axis_name="i",
-        )
