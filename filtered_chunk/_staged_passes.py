@@ -1,0 +1,201 @@
+"""Staged collectives, part 3: what one pass accumulates over its chunks, and what
+each element then reads.
+
+A pass evaluates, for every chunk, the operands of the collectives at its level,
+and folds them into one accumulator per operand: a sum (`psum`, `pmean`,
+`psum_scatter`), a running maximum or minimum (`pmax`, `pmin`), or the chunk's rows
+of a batch-sized buffer (`all_gather`, `ppermute`, `all_to_all`). Rows that the
+last chunk of `remainder="overlap"` recomputes are masked out of every reduction.
+After the loop, the names of outer axes in the same collective are reduced, and
+each element of a later stage reads its result: all of it, or its own slice
+(`psum_scatter`) or row (`ppermute`, `all_to_all`).
+"""
+
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+
+# The only way to give an array a weak type, as the collective's result has.
+from jax._src.lax.lax import _convert_element_type
+from jaxtyping import Array, Bool, Int
+
+from ._staged_program import axis_names, bind, GATHERS
+
+
+def kind(eqn: Any) -> str:
+    name = eqn.primitive.name
+    if name in ("psum", "reduce_scatter"):
+        return "sum"
+    if name in ("pmax", "pmin"):
+        return name[1:]
+    assert name in GATHERS
+    return "gather"
+
+
+def typed(x: Array, aval: Any) -> Array:
+    """`x` with `aval`'s dtype and weak type."""
+    if x.dtype == aval.dtype and jax.typeof(x).weak_type == aval.weak_type:
+        return x
+    out = _convert_element_type(x, aval.dtype, weak_type=aval.weak_type)
+    return out  # pyright: ignore[reportReturnType]
+
+
+def _strong(x: Array) -> Array:
+    return lax.convert_element_type(x, x.dtype)
+
+
+def _lowest(dtype: Any, which: str) -> Any:
+    """The identity of a running `which` (`"max"` or `"min"`) in `dtype`."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -np.inf if which == "max" else np.inf
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return which != "max"
+    info = jnp.iinfo(dtype)
+    return info.min if which == "max" else info.max
+
+
+def initial(which: str, aval: Any) -> Any:
+    """The empty accumulator of a reduction of an operand like `aval`."""
+    if which == "sum":
+        return jnp.zeros(aval.shape, aval.dtype)
+    start = jnp.full(aval.shape, _lowest(aval.dtype, which), aval.dtype)
+    return start, jnp.zeros(aval.shape, aval.dtype), jnp.zeros(aval.shape, jnp.int32)
+
+
+def _masked(x: Array, mask: Bool[Array, " chunk"] | None, fill: Any) -> Array:
+    if mask is None:
+        return x
+    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+    return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
+def reduce_chunk(which: str, x: Array, mask: Bool[Array, " chunk"] | None) -> Any:
+    """One chunk's accumulator of the rows `x` (the batch on axis 0).
+
+    A running maximum also carries, with value zero, the tangents of the rows equal
+    to it and their count: `jax.vmap`'s `pmax` (a `reduce_max`) gives each of `c`
+    tied rows `1 / c` of the derivative, across chunks as within one.
+    """
+    x = _strong(x)
+    if which == "sum":
+        return jnp.sum(_masked(x, mask, 0), axis=0)
+    best = getattr(jnp, which)
+    values = lax.stop_gradient(_masked(x, mask, _lowest(x.dtype, which)))
+    top = best(values, axis=0)
+    ties = values == top[None]
+    if mask is not None:
+        ties = _masked(ties, mask, False)
+    count = jnp.sum(ties, axis=0, dtype=jnp.int32)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return top, jnp.zeros_like(top), count
+    carrier = jnp.sum(jnp.where(ties, x - lax.stop_gradient(x), 0), axis=0)
+    return top, carrier, count
+
+
+def combine(which: str, acc: Any, part: Any) -> Any:
+    if which == "sum":
+        return acc + part
+    (m, s, c), (m2, s2, c2) = acc, part
+    better = m2 > m if which == "max" else m2 < m
+    worse = m2 < m if which == "max" else m2 > m
+    m = jnp.where(better, m2, m)
+    s = jnp.where(better, s2, jnp.where(worse, s, s + s2))
+    c = jnp.where(better, c2, jnp.where(worse, c, c + c2))
+    return m, s, c
+
+
+@jax.custom_jvp
+def _with_tangent(value: Array, carrier: Array) -> Array:
+    """`value`, with the tangent of `carrier` (whose value is not used)."""
+    del carrier
+    return value
+
+
+@_with_tangent.defjvp
+def _with_tangent_jvp(primals: tuple[Array, Array], tangents: tuple[Any, Any]) -> Any:
+    (value, _), (_, t_carrier) = primals, tangents
+    return value, t_carrier
+
+
+def _best_value(acc: Any) -> Array:
+    top, carrier, count = acc
+    if not jnp.issubdtype(top.dtype, jnp.inexact):
+        return top
+    return _with_tangent(top, carrier / jnp.maximum(count, 1).astype(top.dtype))
+
+
+def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> list:
+    """The collective's result over the whole batch, from its accumulators (one
+    per operand), with the outer axes it names reduced."""
+    name = eqn.primitive.name
+    others = tuple(n for n in axis_names(eqn.params) if n != axis_name)
+    if name == "psum":
+        out = [lax.psum(a, others) if others else a for a in accs]
+    elif name in ("pmax", "pmin"):
+        out = [_best_value(a) for a in accs]
+        outer = getattr(lax, name)
+        out = [outer(x, others) if others else x for x in out]
+    elif name == "all_gather":
+        out = [_gathered(eqn, accs[0])]
+    elif name == "reduce_scatter":
+        out = [accs[0]]
+    else:  # every element's result, as `jax.vmap` computes it from the buffer
+        fn = lambda x: bind(eqn, [x])[0]  # noqa: E731
+        out = [jax.vmap(fn, axis_name=axis_name, axis_size=batch_size)(accs[0])]
+    if name in ("ppermute", "all_to_all", "reduce_scatter"):
+        return out  # typed when read, per element
+    return [typed(x, v.aval) for x, v in zip(out, eqn.outvars, strict=True)]
+
+
+def _gathered(eqn: Any, rows: Array) -> Array:
+    dim = eqn.params["all_gather_dimension"]
+    stacked = jnp.moveaxis(rows, 0, dim)
+    if not eqn.params["tiled"]:
+        return stacked
+    return stacked.reshape(eqn.outvars[0].aval.shape)
+
+
+def read(eqn: Any, result: list[Array], position: Int[Array, ""] | None) -> list[Array]:
+    """What the element at `position` gets from the collective's `result`."""
+    name = eqn.primitive.name
+    if name not in ("ppermute", "all_to_all", "reduce_scatter"):
+        return result
+    (x,), aval = result, eqn.outvars[0].aval
+    if name != "reduce_scatter":
+        return [typed(lax.dynamic_index_in_dim(x, position, 0, keepdims=False), aval)]
+    dim = eqn.params["scatter_dimension"]
+    if not eqn.params["tiled"]:
+        out = lax.dynamic_index_in_dim(x, position, dim, keepdims=False)
+    else:
+        size = aval.shape[dim]
+        out = lax.dynamic_slice_in_dim(x, position * size, size, axis=dim)
+    return [typed(out, aval)]
+
+
+def unstaged(
+    eqn: Any, invals: list[Any], position: Any, axis_name: Hashable, batch_size: int
+) -> list[Any]:
+    """A collective that takes no pass: `axis_index`, or one whose operands are the
+    same for every element (as `jax.vmap` computes it: `psum` multiplies by the
+    batch size, `pmax` and `pmin` are the identity, `all_gather` broadcasts)."""
+    name = eqn.primitive.name
+    if name == "axis_index":
+        return [typed(jnp.asarray(position), eqn.outvars[0].aval)]
+    others = tuple(n for n in axis_names(eqn.params) if n != axis_name)
+    if name == "all_gather":
+        x, dim = invals[0], eqn.params["all_gather_dimension"]
+        shape = list(np.shape(x))
+        shape.insert(dim, batch_size)
+        out = jnp.broadcast_to(jnp.expand_dims(x, dim), shape)
+        return [out.reshape(eqn.outvars[0].aval.shape)]
+    if name == "psum":
+        out = [batch_size * x for x in invals]
+    else:
+        out = list(invals)
+    if others:
+        out = getattr(lax, name)(out, others)
+    return [typed(jnp.asarray(x), v.aval) for x, v in zip(out, eqn.outvars)]

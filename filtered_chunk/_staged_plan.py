@@ -1,0 +1,210 @@
+"""Staged collectives, part 2: which pass computes what.
+
+Given the flat per-element program (`_staged_program.py`), [`make_plan`][] gives
+each collective over the mapped axis its level, and each stage the equations it
+must evaluate: stage `s <= num_passes` computes the operands of the level-`s`
+collectives, reading the results of lower levels; the final stage computes the
+mapped outputs, and the unmapped outputs (`out_axes=None`) are computed once, from
+the collectives' results and the unmapped inputs alone.
+"""
+
+import dataclasses
+from collections.abc import Hashable, Iterator
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+
+from ._staged_program import (
+    axis_names,
+    bind,
+    CUSTOM,
+    found_in,
+    Program,
+    public_name,
+    subjaxprs,
+    varying_outputs,
+)
+
+
+# Collectives that each element reads its own part of: always a pass, whose
+# per-element values (broadcast when they do not vary) fill a batch-sized buffer.
+_PER_ELEMENT = ("ppermute", "all_to_all", "reduce_scatter")
+FINAL = "final"
+UNMAPPED = "unmapped"
+
+
+class VaryingUnmappedOutput(ValueError):
+    """An output marked `out_axes=None` varies over the batch; `index` is its
+    position among the unmapped outputs."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    program: Program
+    # Equation index -> level, for the collectives that take a pass.
+    levels: dict[int, int]
+    num_passes: int
+    # Stage (1..num_passes, FINAL, UNMAPPED) -> the equations it evaluates, in order,
+    # and the variables it returns.
+    schedules: dict[Any, list[int]]
+    targets: dict[Any, list[Any]]
+
+    def at_level(self, level: int) -> list[int]:
+        return [i for i, lv in self.levels.items() if lv == level]
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jex.Literal)
+
+
+def make_plan(program: Program, api: str) -> Plan:
+    jaxpr, axis_name = program.jaxpr, program.axis_name
+    invars = list(jaxpr.constvars) + list(jaxpr.invars)
+    first = len(program.consts)
+    level = {v: 0 for v in invars}
+    var = {v: first <= i < first + program.num_mapped_in for i, v in enumerate(invars)}
+    levels: dict[int, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        in_var = [_is_var(v) and var[v] for v in eqn.invars]
+        lv = max((level[v] for v in eqn.invars if _is_var(v)), default=0)
+        name = eqn.primitive.name
+        if axis_name in axis_names(eqn.params) and name != "axis_index":
+            if any(in_var) or name in _PER_ELEMENT:
+                lv += 1
+                levels[i] = lv
+        out_var = varying_outputs(eqn, in_var, axis_name)
+        for v, b in zip(eqn.outvars, out_var, strict=True):
+            level[v], var[v] = lv, b
+    num_passes = max(levels.values(), default=0)
+    outs = list(jaxpr.outvars)
+    mapped_out, unmapped_out = (
+        outs[: program.num_mapped_out],
+        outs[program.num_mapped_out :],
+    )
+    for index, v in enumerate(unmapped_out):
+        if _is_var(v) and var[v]:
+            raise VaryingUnmappedOutput(
+                f"`{api}(..., out_axes=...)` gives `None` for an output that varies "
+                "over the batch. An output marked `None` must not depend on the "
+                "mapped inputs; give it an integer out axis to map it instead.",
+                index,
+            )
+    targets: dict[Any, list[Any]] = {}
+    for s in range(1, num_passes + 1):
+        targets[s] = [v for i in levels if levels[i] == s for v in jaxpr.eqns[i].invars]
+    targets[FINAL], targets[UNMAPPED] = mapped_out, unmapped_out
+    schedules = {}
+    for stage, roots in targets.items():
+        upto = stage if isinstance(stage, int) else num_passes + 1
+        schedules[stage] = _schedule(jaxpr.eqns, roots, upto, levels, stage == FINAL)
+    return Plan(program, levels, num_passes, schedules, targets)
+
+
+def _schedule(
+    eqns: list[Any], roots: list[Any], stage: int, levels: dict[int, int], effects: bool
+) -> list[int]:
+    """The equations that compute `roots` at `stage`, where the collectives of
+    lower levels are given; effects (`jax.debug.callback`) run in the final stage
+    only, so once per element."""
+    needed = {v for v in roots if _is_var(v)}
+    order = []
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        wanted = any(v in needed for v in eqn.outvars if not isinstance(v, jex.DropVar))
+        if not (wanted or (effects and eqn.effects)):
+            continue
+        order.append(i)
+        if i in levels:
+            assert levels[i] < stage
+            continue  # its result is given
+        needed.update(v for v in eqn.invars if _is_var(v))
+    return order[::-1]
+
+
+def _custom_calls(jaxpr: Any) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in CUSTOM:
+            yield eqn
+        else:
+            for value in eqn.params.values():
+                for sub in subjaxprs(value):
+                    yield from _custom_calls(sub)
+
+
+def check_custom_rules(program: Program, api: str) -> None:
+    """Refuses a collective over the axis that only a derivative rule performs (a
+    `jax.custom_vjp` forward or backward pass, a `jax.custom_jvp` rule): staged
+    evaluation cannot see it, and per chunk it would be wrong.
+
+    Each custom-derivative call left in the program (none holds such a collective
+    in its primal: see `_staged_program.py`) is differentiated on its own, in
+    reverse mode or, where that is not defined, in forward mode.
+    """
+    axis_name = program.axis_name
+    env = [(axis_name, program.batch_size)]
+    for eqn in _custom_calls(program.jaxpr):
+        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        if not any(_inexact(s) for s in structs):
+            continue
+        found = _in_derivatives(eqn, structs, env, axis_name)
+        if found:
+            what = ", ".join(f"`{f}`" for f in found)
+            raise ValueError(
+                f"`{api}(..., axis_name={axis_name!r})`: the collective(s) {what} over "
+                f"{axis_name!r} are performed only by a custom derivative rule (the "
+                "backward pass of a `jax.custom_vjp`, or a `jax.custom_jvp` rule), "
+                "which a split batch cannot compute exactly. Use `chunk_size=None` "
+                "(or at least the batch size), or compute the collective outside "
+                "the rule."
+            )
+
+
+def _in_derivatives(
+    eqn: Any, structs: list[Any], env: list[Any], axis_name: Hashable
+) -> list[str]:
+    is_inexact = [_inexact(s) for s in structs]
+
+    def _outputs(inexact: list[Any], rest: list[Any]) -> list[Any]:
+        outs = bind(eqn, _merge(inexact, rest, is_inexact))
+        return [x for x in outs if _inexact(x)]
+
+    def _reverse(_inexact: list[Any], _rest: list[Any]) -> Any:
+        out, pullback = jax.vjp(lambda _x: _outputs(_x, _rest), _inexact)
+        return pullback(out)
+
+    def _forward(_inexact: list[Any], _rest: list[Any]) -> Any:
+        return jax.jvp(lambda _x: _outputs(_x, _rest), (_inexact,), (_inexact,))
+
+    inexact = [s for s, b in zip(structs, is_inexact) if b]
+    rest = [s for s, b in zip(structs, is_inexact) if not b]
+    for derivative in (_reverse, _forward):
+        try:
+            traced = jax.make_jaxpr(derivative, axis_env=env)(inexact, rest)
+        except Exception:  # not differentiable in this mode
+            continue
+        return found_in(traced.jaxpr, axis_name)
+    return []
+
+
+def _inexact(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def _merge(a: list[Any], b: list[Any], take_a: list[bool]) -> list[Any]:
+    ia, ib = iter(a), iter(b)
+    return [next(ia) if t else next(ib) for t in take_a]
+
+
+def describe(plan: Plan) -> str:
+    """The levels, for messages and docs: `"1: lax.pmax; 2: lax.psum"`."""
+    eqns = plan.program.jaxpr.eqns
+    return "; ".join(
+        f"{s}: " + ", ".join(public_name(eqns[i]) for i in plan.at_level(s))
+        for s in range(1, plan.num_passes + 1)
+    )
