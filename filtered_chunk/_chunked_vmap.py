@@ -127,10 +127,10 @@ def _evaluate(
     return _split_output(fun(*_args, **_kwargs), out_axes, batch_known)
 
 
-def _element(out_axes: Any, closed: Any, mapped: Any) -> tuple[Any, Any]:
-    """The arrays of `fun` on one element: what the collective check traces."""
+def _element(out_axes: Any, closed: Any, mapped: Any) -> tuple[Any, ...]:
+    """`fun` on one element, its output split: for collectives over the axis."""
     fun, static = closed
-    return _evaluate(fun, out_axes, static, mapped)[:2]
+    return _evaluate(fun, out_axes, static, mapped)
 
 
 def _chunk(

@@ -1,18 +1,21 @@
-"""Finding collectives over the mapped axis, which chunking would make per-chunk.
+"""Finding collectives over the mapped axis, and what they mean for the schedule.
 
-[`check_collectives`][] is the one place where a call decides what a collective
-over `axis_name` means for its schedule: nothing (no collective, or one `vmap` of
-the whole batch), one `vmap` of the whole batch on a batch split over devices
-(XLA computes the collective across them), or the one error, when the batch would
-be split into chunks.
+This is the one collective analysis of every transform: where a collective over
+`axis_name` is (`found_in`, derivatives included: `in_derivatives`), and, in
+[`schedule_collectives`][], what it means for the call: nothing (no collective, or
+one `vmap` of the whole batch), one `vmap` of the whole batch when it is split over
+devices into shards of one chunk each (XLA computes the collective across them),
+or the staged evaluation (`_staged.py`), which computes it exactly across chunks.
 """
 
+import contextlib
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.core
+import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -21,28 +24,79 @@ from jaxtyping import PyTree
 from ._sharding import BatchSharding
 
 
-def _subjaxprs(value: Any) -> Iterator[Any]:
-    if hasattr(value, "eqns"):  # a Jaxpr
-        yield value
-    elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # a ClosedJaxpr
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _subjaxprs(v)
-
-
-def _axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
+def axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
+    """The axis names an equation's collective names (`()` for none)."""
     names = params.get("axes", params.get("axis_name", ()))
     return tuple(names) if isinstance(names, tuple | list) else (names,)
 
 
-def _find(jaxpr: Any, axis_name: Hashable) -> Iterator[str]:
+def public_name(eqn: Any) -> str:
+    """The name a user writes for the collective that `eqn` binds."""
+    name = eqn.primitive.name
+    return f"lax.{'psum_scatter' if name == 'reduce_scatter' else name}"
+
+
+def subjaxprs(value: Any) -> Iterator[Any]:
+    """The jaxprs in an equation's parameter (a jaxpr, a closed one, or a tuple)."""
+    if isinstance(value, jex.Jaxpr):
+        yield value
+    elif isinstance(value, jex.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from subjaxprs(v)
+
+
+def found_in(jaxpr: Any, axis_name: Hashable) -> list[str]:
+    """The collectives over `axis_name` anywhere in `jaxpr`, as users write them."""
+    found = []
     for eqn in jaxpr.eqns:
-        if axis_name in _axis_names(eqn.params):
-            yield eqn.primitive.name
+        if axis_name in axis_names(eqn.params):
+            found.append(public_name(eqn))
         for value in eqn.params.values():
-            for sub in _subjaxprs(value):
-                yield from _find(sub, axis_name)
+            for sub in subjaxprs(value):
+                found += found_in(sub, axis_name)
+    return sorted(set(found))
+
+
+def in_derivatives(
+    fun: Callable[[list[Any]], list[Any]],
+    args: list[jax.ShapeDtypeStruct],
+    axis_name: Hashable,
+    axis_size: int,
+) -> list[str]:
+    """The collectives over `axis_name` in the derivatives of `fun(args)` (its
+    inexact outputs) w.r.t. its inexact arguments.
+
+    Reverse mode shows both custom rules: a `custom_jvp` rule is linearised and a
+    `custom_vjp` backward pass is traced when transposing. Where reverse mode is not
+    defined (a `while_loop`), forward mode shows `custom_jvp` rules.
+    """
+    is_inexact = [_is_inexact(x) for x in args]
+    rest = [x for x, b in zip(args, is_inexact) if not b]
+
+    def _outputs(_inexact: list[Any]) -> list[Any]:
+        first, others = iter(_inexact), iter(rest)
+        merged = [next(first) if b else next(others) for b in is_inexact]
+        return [x for x in fun(merged) if _is_inexact(x)]
+
+    def _reverse(_inexact: list[Any]) -> Any:
+        out, pullback = jax.vjp(_outputs, _inexact)
+        return pullback(out)
+
+    def _forward(_inexact: list[Any]) -> Any:
+        return jax.jvp(_outputs, (_inexact,), (_inexact,))
+
+    inexact = [x for x, b in zip(args, is_inexact) if b]
+    if not inexact:
+        return []
+    for derivative in (_reverse, _forward):
+        try:
+            traced = jax.make_jaxpr(derivative, axis_env=[(axis_name, axis_size)])
+            return found_in(traced(inexact).jaxpr, axis_name)
+        except Exception:  # not differentiable in this mode: nothing to find
+            continue
+    return []
 
 
 def collectives_over(
@@ -52,8 +106,8 @@ def collectives_over(
     axis_size: int,
     other_size: int,
 ) -> list[str]:
-    """The names of the collectives over `axis_name` that `fun(element)` performs,
-    evaluated or differentiated, when the axis has `axis_size` elements.
+    """The collectives over `axis_name` that `fun(element)` performs, evaluated or
+    differentiated, when the axis has `axis_size` elements.
 
     `fun` is traced at `axis_size` first, the size it is written for: a function
     whose shapes depend on the axis (an `all_gather` reshaped to the batch) may not
@@ -61,10 +115,10 @@ def collectives_over(
     (a `jax.custom_vjp` backward pass) shows in the derivatives of that trace.
 
     `lax.axis_size` (and `lax.psum` of a constant) reads the size of the axis when
-    tracing and leaves no collective in the jaxpr; it shows as `"axis_size"` when the
-    jaxpr changes with that size (`other_size`), and not when it already changes
-    between two traces at the same size (a function that draws NumPy random numbers
-    when traced).
+    tracing and leaves no collective in the jaxpr; it shows as `"lax.axis_size"`
+    when the jaxpr changes with that size (`other_size`), and not when it already
+    changes between two traces at the same size (a function that draws NumPy
+    random numbers when traced).
     """
 
     def trace(size: int) -> Any:
@@ -73,56 +127,28 @@ def collectives_over(
         return jax.make_jaxpr(_fun, axis_env=[(axis_name, size)])(element)
 
     closed = trace(axis_size)
-    found = set(_find(closed.jaxpr, axis_name))
+    found = found_in(closed.jaxpr, axis_name)
     if not found:  # the derivatives of a collective hold its transposes
-        found.update(_in_derivatives(closed, element, axis_name, axis_size))
+        num_consts = len(closed.consts)
+        found = in_derivatives(
+            lambda xs: jax.core.eval_jaxpr(
+                closed.jaxpr, xs[:num_consts], *xs[num_consts:]
+            ),
+            [_struct(c) for c in closed.consts] + jtu.tree_leaves(element),
+            axis_name,
+            axis_size,
+        )
     if not found and _depends_on_size(trace, str(closed), axis_size, other_size):
-        found.add("axis_size")
-    return sorted(found)
-
-
-def _in_derivatives(
-    closed: Any, element: PyTree[Any], axis_name: Hashable, axis_size: int
-) -> set[str]:
-    """The collectives in the derivatives of `closed` (a traced function of
-    `element`) w.r.t. its inexact inputs and the arrays it closed over.
-
-    Reverse mode shows both custom rules: a `custom_jvp` rule is linearised and a
-    `custom_vjp` backward pass is traced when transposing. Where reverse mode is not
-    defined (a `while_loop`), forward mode shows `custom_jvp` rules.
-    """
-    inputs = ([_struct(c) for c in closed.consts], jtu.tree_leaves(element))
-    diff, nondiff = eqx.partition(inputs, _inexact)
-
-    def _outputs(_diff: Any) -> list[Any]:
-        consts, args = eqx.combine(_diff, nondiff)
-        out = jax.core.eval_jaxpr(closed.jaxpr, consts, *args)
-        return [x for x in out if jnp.issubdtype(x.dtype, jnp.inexact)]
-
-    def _reverse(_diff: Any) -> Any:
-        out, pullback = jax.vjp(_outputs, _diff)
-        return pullback(out)
-
-    def _forward(_diff: Any) -> Any:
-        return jax.jvp(_outputs, (_diff,), (_diff,))
-
-    for derivative in (_reverse, _forward):
-        try:
-            jaxpr = jax.make_jaxpr(derivative, axis_env=[(axis_name, axis_size)])
-            return set(_find(jaxpr(diff).jaxpr, axis_name))
-        except Exception:  # not differentiable in this mode: nothing to find
-            continue
-    return set()
+        found = ["lax.axis_size"]
+    return found
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
 
 
-def _inexact(x: Any) -> bool:
-    return isinstance(x, jax.ShapeDtypeStruct) and bool(
-        jnp.issubdtype(x.dtype, jnp.inexact)
-    )
+def _is_inexact(x: Any) -> bool:
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def _depends_on_size(
@@ -145,7 +171,30 @@ def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
 
 
-def check_collectives(
+# What a collective over `axis_name` makes of a call (`schedule_collectives`).
+NONE, WHOLE, STAGED = "none", "whole", "staged"
+
+# The axes whose per-element programs are being traced for staging, innermost last.
+_staging: list[Hashable] = []
+
+
+@contextlib.contextmanager
+def staging(axis_name: Hashable) -> Iterator[None]:
+    """While `fun` is traced to be staged over `axis_name` (`_staged_program.py`).
+
+    A chunked map nested in `fun` whose own function uses a collective over that
+    axis evaluates its batch in one `vmap` (`schedule_collectives`): inside a loop
+    of chunks, the collective could not be staged; in one `vmap` it stays at the top
+    level of `fun`, and the outer map's chunks bound the memory.
+    """
+    _staging.append(axis_name)
+    try:
+        yield
+    finally:
+        _staging.pop()
+
+
+def schedule_collectives(
     element: Callable[[PyTree[Any]], Any],
     mapped: PyTree[Any],
     in_axes: PyTree[int | None],
@@ -154,44 +203,47 @@ def check_collectives(
     batch_size: int,
     chunk_size: int | None,
     sharding: BatchSharding | None,
-    api: str,
-) -> bool:
-    """Whether the batch must be evaluated in one `vmap` because `element` (`fun`
-    on one element, returning its arrays) uses collectives over `axis_name`.
+) -> str:
+    """How the batch is evaluated, given the collectives over `axis_name` that
+    `element` (`fun` on one element) performs.
 
-    A batch of one chunk (`chunk_size` `None` or at least `batch_size`) is never
-    checked on one device, and is evaluated whole when split over devices and a
-    collective is found (`True`). A batch split into chunks, or into per-device
-    shards that would be chunked, with a collective raises: chunking would make
-    the collective per-chunk (or per-shard) and silently change the result.
+    - `NONE`: as if there were none: no collective (or no axis name), or a batch of
+      one chunk on one device (`chunk_size` `None` or at least `batch_size`),
+      which is not traced here.
+    - `WHOLE`: one `vmap` of the whole batch: it is split over devices into shards
+      of at most one chunk, and XLA computes the collective across them.
+    - `WHOLE` also when a chunked map is nested in a staged one and uses a
+      collective over its axis (see `staging`).
+    - `STAGED`: the staged evaluation (`_staged.py`), on each device's shard if the
+      batch is split over devices. It refuses, naming the collective, what it
+      cannot compute exactly.
     """
-    one_chunk = chunk_size is None or chunk_size >= batch_size
-    if axis_name is None or (sharding is None and one_chunk):
-        return False
+    local = batch_size if sharding is None else batch_size // sharding.num_devices
+    one_chunk = chunk_size is None or chunk_size >= local
     structs = jtu.tree_map(element_struct, in_axes, mapped)
-    if sharding is None:
-        other_size = chunk_size
-        num_steps = -(-batch_size // chunk_size)  # pyright: ignore[reportOperatorIssue]
-        split = (
-            f"the batch of {batch_size} is split into {num_steps} chunks of "
-            f"`chunk_size={chunk_size}`, so it would only see one chunk at a time"
-        )
-    else:
-        other_size = max(1, batch_size // sharding.num_devices)
-        split = (
-            f"the batch is split over the mesh axes {sharding.axis_names!r}, so "
-            "each device would only see its own shard when chunking it"
-        )
-    assert other_size is not None
     arrays = lambda m: eqx.filter(element(m), eqx.is_array)  # noqa: E731
-    found = collectives_over(arrays, structs, axis_name, batch_size, other_size)
-    if found and not one_chunk:
-        raise ValueError(
-            f"`{api}(..., axis_name={axis_name!r})`: the function uses the "
-            f"collective(s) {', '.join(f'`{c}`' for c in found)} over "
-            f"{axis_name!r}, but {split}. Use `chunk_size=None` (or at least the "
-            f"batch size, {batch_size}) to evaluate the whole batch in one `vmap`, "
-            "or move the collective out of the mapped function (for example, "
-            "reduce the mapped output afterwards)."
-        )
-    return bool(found)
+    outer = [n for n in _staging if n != axis_name]
+    if outer and not one_chunk and _uses(arrays, structs, outer, axis_name, batch_size):
+        return WHOLE
+    if axis_name is None or (sharding is None and one_chunk):
+        return NONE
+    other_size = max(1, local if chunk_size is None else min(chunk_size, local))
+    if other_size == batch_size:
+        other_size = batch_size + 1
+    if not collectives_over(arrays, structs, axis_name, batch_size, other_size):
+        return NONE
+    return WHOLE if one_chunk else STAGED
+
+
+def _uses(
+    fun: Callable[[PyTree[Any]], Any],
+    element: PyTree[jax.ShapeDtypeStruct],
+    outer: list[Hashable],
+    axis_name: Hashable | None,
+    axis_size: int,
+) -> bool:
+    """Whether `fun(element)` uses a collective over an axis being staged around
+    it (`outer`: bound already), with its own axis (if named) of `axis_size`."""
+    env = [] if axis_name is None else [(axis_name, axis_size)]
+    closed = jax.make_jaxpr(lambda _element: fun(_element), axis_env=env)(element)
+    return any(found_in(closed.jaxpr, name) for name in outer)

@@ -198,6 +198,7 @@ def run_sharded(
     batch_size: int,
     sharding: BatchSharding,
     api: str,
+    check_vma: bool = True,
 ) -> ChunkOutput:
     """Evaluates `local(closed, local_inputs, local_batch_size)` on each shard.
 
@@ -206,6 +207,8 @@ def run_sharded(
     closes over, unmapped arrays included: they enter `shard_map` as replicated
     inputs, since closing over tracers breaks `shard_map`'s transpose under a scan.
     `chunk_fn` only gives the outputs' axes, which put the shards back together.
+    `check_vma` is `jax.shard_map`'s: the staged loops bind the primitives of a
+    traced program one by one, which type no value as varying over devices.
     """
     num_devices = sharding.num_devices
     if batch_size % num_devices != 0:
@@ -228,12 +231,17 @@ def run_sharded(
         return _out.batched, _out.unbatched
 
     in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))
-    batched, unbatched = _shard_map(_local, sharding, in_specs, shapes)(arrays, mapped)
+    call = _shard_map(_local, sharding, in_specs, shapes, check_vma)
+    batched, unbatched = call(arrays, mapped)
     return ChunkOutput(batched, shapes.batched_axes, unbatched, shapes.static)
 
 
 def _shard_map(
-    fn: Callable[..., Any], sharding: BatchSharding, in_specs: Any, shapes: ChunkOutput
+    fn: Callable[..., Any],
+    sharding: BatchSharding,
+    in_specs: Any,
+    shapes: ChunkOutput,
+    check_vma: bool,
 ) -> Callable[..., Any]:
     """`jax.shard_map` of `fn`, manual over the batch's mesh axes only."""
     out_specs = (
@@ -247,6 +255,7 @@ def _shard_map(
         in_specs=in_specs,
         out_specs=out_specs,
         axis_names=frozenset(sharding.axis_names),
+        check_vma=check_vma,
     )
     others = [a for a in sharding.mesh.explicit_axes if a not in sharding.axis_names]
     if not others:

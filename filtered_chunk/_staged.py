@@ -19,7 +19,7 @@ bounded too: without it, the residuals of every pass's chunks would be kept.
 
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -32,6 +32,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from ._axes import describe
 from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
+from ._collectives import axis_names
 from ._custom_types import CheckpointSpec, InputArray, keep_untraced
 from ._derivatives import checkpointed
 from ._progress import AbstractProgressMeter
@@ -53,10 +54,20 @@ from ._staged_plan import (
     UNMAPPED,
     VaryingUnmappedOutput,
 )
-from ._staged_program import axis_names, bind, staged_program, struct
+from ._staged_program import bind, staged_program, struct
 
 
 ElementFn = Callable[[list[Array], list[Array]], tuple[list[Any], list[Any], Any]]
+
+
+class Shard(NamedTuple):
+    """A batch split over devices, seen from inside `jax.shard_map`: each device
+    stages its own elements, and each pass's accumulators are combined across
+    the mesh axes `axis_names` (`num_devices` devices, the batch split in their
+    order)."""
+
+    axis_names: tuple[str, ...]
+    num_devices: int
 
 
 def _evaluate(
@@ -138,20 +149,22 @@ def _pass(
     chunk_size: int,
     remainder: str,
     checkpoint: CheckpointSpec,
+    shard: Shard | None,
 ) -> dict[int, list[Array]]:
-    """The results of the level's collectives, from one chunked loop.
+    """The results of the level's collectives, from one chunked loop (on each
+    device's shard, then across the devices, if `shard` says so).
 
     The chunks are scanned over as stacked inputs (`xs`), so that reverse mode
     transposes them into stacked cotangents, with no batch-sized carry.
     """
-    batch_size = plan.program.batch_size
+    batch_size = _local_size(plan, shard)
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     whole, leftover = divmod(batch_size, chunk_size)
     operands = _operands(plan, level)
     reductions = [(w, a) for _, w, a in operands if w != "gather"]
     step = checkpointed(ft.partial(_chunk, plan, level), checkpoint)
-    positions = jnp.arange(batch_size)
+    positions = _positions(batch_size, shard)
     stack = lambda x: x[: whole * chunk_size].reshape(whole, chunk_size, *x.shape[1:])  # noqa: E731
 
     def _body(acc: list[Any], xs: tuple[list[Array], Array]) -> tuple[Any, Any]:
@@ -175,7 +188,37 @@ def _pass(
         acc = [combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)]
         skip = chunk_size - leftover if overlap else 0
         gathered = [jnp.concatenate([g, x[skip:]]) for g, x in zip(gathered, last)]
+    if shard is not None:
+        acc = [_across(w, a, shard) for (w, _), a in zip(reductions, acc)]
+        gathered = [lax.all_gather(g, shard.axis_names, tiled=True) for g in gathered]
     return _results(plan, level, acc, gathered)
+
+
+def _local_size(plan: Plan, shard: Shard | None) -> int:
+    """The number of elements this device evaluates."""
+    num_devices = 1 if shard is None else shard.num_devices
+    return plan.program.batch_size // num_devices
+
+
+def _positions(size: int, shard: Shard | None) -> Array:
+    """The positions in the whole batch of this device's `size` elements."""
+    positions = jnp.arange(size)
+    if shard is None:
+        return positions
+    device = lax.axis_index(shard.axis_names).astype(positions.dtype)
+    return positions + device * size
+
+
+def _across(which: str, acc: Any, shard: Shard) -> Any:
+    """A pass's accumulator over the whole batch, from every device's."""
+    names = shard.axis_names
+    if which == "sum":
+        return lax.psum(acc, names)
+    top, carrier = acc
+    best = (lax.pmax if which == "max" else lax.pmin)(top, names)
+    if jnp.issubdtype(top.dtype, jnp.inexact):
+        carrier = lax.psum(carrier, names)
+    return best, carrier
 
 
 def _results(
@@ -191,6 +234,56 @@ def _results(
         ]
         out[i] = finish(eqn, parts, program.axis_name, program.batch_size)
     return out
+
+
+def plan_staged(
+    fun: ElementFn,
+    mapped: list[jax.ShapeDtypeStruct],
+    unmapped: list[jax.ShapeDtypeStruct],
+    *,
+    batch_size: int,
+    axis_name: Hashable,
+    api: str,
+) -> Plan:
+    """The plan of `fun` (see `run_staged`) for one element like `mapped`, traced
+    outside any `shard_map`; raises what cannot be staged exactly."""
+    program = staged_program(fun, mapped, unmapped, axis_name, batch_size, api)
+    plan = make_plan(program, api)
+    check_custom_rules(program, api)
+    return plan
+
+
+def run_plan(
+    plan: Plan,
+    consts: list[Any],
+    unmapped: list[Array],
+    mapped: list[Array],
+    *,
+    chunk_size: int,
+    remainder: str,
+    checkpoint: CheckpointSpec,
+    progress_meter: AbstractProgressMeter | None,
+    api: str,
+    shard: Shard | None,
+) -> tuple[list[Array], list[Any]]:
+    """The passes and the final loop of `plan`, over `mapped` (the batch on axis
+    0; this device's shard of it with `shard`): the mapped and unmapped outputs.
+    `consts` are the program's (inputs of the `shard_map`, when sharded)."""
+    fixed = list(consts) + list(unmapped)
+    results: dict[int, list[Array]] = {}
+    options: dict[str, Any] = dict(
+        chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, shard=shard
+    )
+    for level in range(1, plan.num_passes + 1):
+        results.update(_pass(plan, level, fixed, dict(results), mapped, **options))
+    out_mapped = _final(plan, fixed, results, mapped, progress_meter, api, **options)
+    args = _with_mapped(plan, fixed, [None] * plan.program.num_mapped_in)
+    out_unmapped = _evaluate(plan, UNMAPPED, args, results, None)
+    out_unmapped = [
+        value if untraced else x
+        for x, (untraced, value) in zip(out_unmapped, plan.program.kept, strict=True)
+    ]
+    return out_mapped, out_unmapped
 
 
 def run_staged(
@@ -227,30 +320,36 @@ def run_staged(
         mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
     if not 0 < chunk_size < batch_size:
         return _one_vmap(fun, mapped, unmapped, batch_size, axis_name)
-    elements = [
-        jax.ShapeDtypeStruct(x.shape[1:], x.dtype, weak_type=jax.typeof(x).weak_type)
-        for x in mapped
-    ]
-    program = staged_program(
-        fun, elements, [struct(x) for x in unmapped], axis_name, batch_size, api
+    elements = [_element_struct(x, 0) for x in mapped]
+    unmapped_structs = [struct(x) for x in unmapped]
+    plan = plan_staged(
+        fun,
+        elements,
+        unmapped_structs,
+        batch_size=batch_size,
+        axis_name=axis_name,
+        api=api,
     )
-    plan = make_plan(program, api)
-    check_custom_rules(program, api)
-    fixed = list(program.consts) + list(unmapped)
-    results: dict[int, list[Array]] = {}
-    options: dict[str, Any] = dict(
-        chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint
+    out_mapped, out_unmapped = run_plan(
+        plan,
+        plan.program.consts,
+        unmapped,
+        mapped,
+        chunk_size=chunk_size,
+        remainder=remainder,
+        checkpoint=checkpoint,
+        progress_meter=progress_meter,
+        api=api,
+        shard=None,
     )
-    for level in range(1, plan.num_passes + 1):
-        results.update(_pass(plan, level, fixed, dict(results), mapped, **options))
-    out_mapped = _final(plan, fixed, results, mapped, progress_meter, api, **options)
-    args = _with_mapped(plan, fixed, [None] * program.num_mapped_in)
-    out_unmapped = _evaluate(plan, UNMAPPED, args, results, None)
-    out_unmapped = [
-        value if untraced else x
-        for x, (untraced, value) in zip(out_unmapped, program.kept, strict=True)
-    ]
-    return out_mapped, out_unmapped, program.aux, plan.num_passes
+    return out_mapped, out_unmapped, plan.program.aux, plan.num_passes
+
+
+def _element_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
+    """One element of the mapped leaf `x` (its weak type kept)."""
+    shape = list(jnp.shape(x))
+    del shape[axis]
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype, weak_type=struct(x).weak_type)
 
 
 def _final(
@@ -263,7 +362,8 @@ def _final(
     **options: Any,
 ) -> list[Array]:
     """The mapped outputs: the library's loop, reading every level's results."""
-    batch_size = plan.program.batch_size
+    shard = options.pop("shard")
+    batch_size = _local_size(plan, shard)
 
     def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
@@ -276,7 +376,7 @@ def _final(
         out = jax.vmap(_element)(_mapped, _positions)
         return ChunkOutput(out, (0,) * len(out), [], None)
 
-    inputs = (list(mapped), jnp.arange(batch_size))
+    inputs = (list(mapped), _positions(batch_size, shard))
     in_axes = ([0] * len(mapped), 0)
     out = run_in_chunks(
         _chunk_fn,
@@ -312,28 +412,33 @@ def _one_vmap(
     return out_mapped, out_unmapped, aux[0], 0
 
 
-def run_staged_vmap(
+class StagedVmap(NamedTuple):
+    """`filter_chunked_vmap`'s call, planned (`plan_staged_vmap`)."""
+
+    plan: Plan
+    in_axes: list[int]  # of the mapped leaves
+
+
+def plan_staged_vmap(
     element: Callable[[PyTree[Array]], tuple[Any, Any, Any]],
     mapped: PyTree[InputArray],
     in_axes: PyTree[int | None],
     *,
     batch_size: int,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
     axis_name: Hashable,
-    progress_meter: AbstractProgressMeter | None = None,
-    api: str = "filter_chunked_vmap",
-) -> ChunkOutput:
-    """What `run_in_chunks` returns for `filter_chunked_vmap`'s chunk function,
-    with the collectives over `axis_name` staged: the call for the dispatch.
+    api: str,
+) -> StagedVmap:
+    """The plan of `filter_chunked_vmap`'s call, with the collectives over
+    `axis_name` staged; raises, before anything runs, what cannot be.
 
     `element(mapped)` is `fun` on one element (`mapped` the mapped leaves without
     their batch axis), returning `(out_mapped, out_unmapped_arrays,
     Static((out_unmapped_static, out_axes)))`, as `_chunked_vmap._evaluate` does;
-    `mapped` and `in_axes` are the call's mapped leaves and their axes.
+    `mapped` and `in_axes` are the call's mapped leaves (of the whole batch, of
+    `batch_size`) and their axes.
     """
     leaves, treedef = jtu.tree_flatten(mapped)
+    axes = list(jtu.tree_leaves(in_axes))
     paths: list[str] = []
 
     def _fun(_mapped: list[Array], _unmapped: list[Array]) -> Any:
@@ -344,19 +449,10 @@ def run_staged_vmap(
         m, mapped_def = jtu.tree_flatten(out_mapped)
         return m, [x for _, x in flat], (mapped_def, unmapped_def, static)
 
+    elements = [_element_struct(x, a) for x, a in zip(leaves, axes, strict=True)]
     try:
-        out_mapped, out_unmapped, aux, _ = run_staged(
-            _fun,
-            leaves,
-            [],
-            batch_size=batch_size,
-            chunk_size=chunk_size,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            axis_name=axis_name,
-            in_axes=list(jtu.tree_leaves(in_axes)),
-            api=api,
-            progress_meter=progress_meter,
+        plan = plan_staged(
+            _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
         )
     except VaryingUnmappedOutput as e:
         raise ValueError(
@@ -364,7 +460,60 @@ def run_staged_vmap(
             "varies over the batch. An output marked `None` must not depend on the "
             "mapped inputs; give it an integer out axis to map it instead."
         ) from None
-    mapped_def, unmapped_def, static = aux
+    return StagedVmap(plan, axes)
+
+
+def run_staged_vmap(
+    staged: StagedVmap,
+    consts: list[Any],
+    mapped: PyTree[InputArray],
+    *,
+    chunk_size: int,
+    remainder: str,
+    checkpoint: CheckpointSpec,
+    progress_meter: AbstractProgressMeter | None = None,
+    api: str = "filter_chunked_vmap",
+    shard: Shard | None = None,
+) -> ChunkOutput:
+    """What `run_in_chunks` returns for `filter_chunked_vmap`'s chunk function,
+    from its staged plan: `consts` are the plan's (`staged.plan.program.consts`,
+    or what `shard_map` made of them), `mapped` the call's mapped leaves (this
+    device's shard of them with `shard`)."""
+    leaves = jtu.tree_leaves(mapped)
+    leaves = [jnp.moveaxis(x, a, 0) for x, a in zip(leaves, staged.in_axes)]
+    out_mapped, out_unmapped = run_plan(
+        staged.plan,
+        consts,
+        [],
+        leaves,
+        chunk_size=chunk_size,
+        remainder=remainder,
+        checkpoint=checkpoint,
+        progress_meter=progress_meter,
+        api=api,
+        shard=shard,
+    )
+    return _vmap_output(staged, out_mapped, out_unmapped)
+
+
+def output_shapes(staged: StagedVmap, size: int) -> ChunkOutput:
+    """`run_staged_vmap`'s output for `size` elements, as zeros (for its shapes)."""
+    program = staged.plan.program
+    avals = [v.aval for v in program.jaxpr.outvars]
+    zeros = lambda aval, *batch: jnp.zeros((*batch, *aval.shape), aval.dtype)  # noqa: E731
+    k = program.num_mapped_out
+    out_mapped = [zeros(aval, size) for aval in avals[:k]]
+    out_unmapped = [
+        value if untraced else zeros(aval)
+        for aval, (untraced, value) in zip(avals[k:], program.kept, strict=True)
+    ]
+    return _vmap_output(staged, out_mapped, out_unmapped)
+
+
+def _vmap_output(
+    staged: StagedVmap, out_mapped: list[Array], out_unmapped: list[Any]
+) -> ChunkOutput:
+    mapped_def, unmapped_def, static = staged.plan.program.aux
     out_static, out_axes = static.value
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(out_mapped, axes, strict=True)]

@@ -11,6 +11,7 @@ each element of a later stage reads its result: all of it, or its own slice
 (`psum_scatter`) or row (`ppermute`, `all_to_all`).
 """
 
+import functools as ft
 from collections.abc import Hashable
 from typing import Any
 
@@ -18,12 +19,11 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-
-# The only way to give an array a weak type, as the collective's result has.
-from jax._src.lax.lax import _convert_element_type
 from jaxtyping import Array, Bool, Int
 
-from ._staged_program import axis_names, bind, GATHERS
+from ._collectives import axis_names
+from ._jax_compat import with_weak_type
+from ._staged_program import bind, GATHERS
 
 
 def kind(eqn: Any) -> str:
@@ -40,8 +40,7 @@ def typed(x: Array, aval: Any) -> Array:
     """`x` with `aval`'s dtype and weak type."""
     if x.dtype == aval.dtype and jax.typeof(x).weak_type == aval.weak_type:
         return x
-    out = _convert_element_type(x, aval.dtype, weak_type=aval.weak_type)
-    return out  # pyright: ignore[reportReturnType]
+    return with_weak_type(lax.convert_element_type(x, aval.dtype), aval.weak_type)
 
 
 def _strong(x: Array) -> Array:
@@ -63,7 +62,7 @@ def initial(which: str, aval: Any) -> Any:
     if which == "sum":
         return jnp.zeros(aval.shape, aval.dtype)
     start = jnp.full(aval.shape, _lowest(aval.dtype, which), aval.dtype)
-    return start, jnp.zeros(aval.shape, aval.dtype), jnp.zeros(aval.shape, jnp.int32)
+    return start, jnp.zeros(aval.shape, aval.dtype)
 
 
 def _masked(x: Array, mask: Bool[Array, " chunk"] | None, fill: Any) -> Array:
@@ -76,56 +75,46 @@ def _masked(x: Array, mask: Bool[Array, " chunk"] | None, fill: Any) -> Array:
 def reduce_chunk(which: str, x: Array, mask: Bool[Array, " chunk"] | None) -> Any:
     """One chunk's accumulator of the rows `x` (the batch on axis 0).
 
-    A running maximum also carries, with value zero, the tangents of the rows equal
-    to it and their count: `jax.vmap`'s `pmax` (a `reduce_max`) gives each of `c`
-    tied rows `1 / c` of the derivative, across chunks as within one.
+    A running maximum or minimum also carries, with value zero, the tangents of the
+    rows: JAX defines no derivative of `pmax` or `pmin` (not even under `jax.vmap`),
+    and the carrier is what raises its error when one is taken (`_best_value`).
     """
     x = _strong(x)
     if which == "sum":
         return jnp.sum(_masked(x, mask, 0), axis=0)
-    best = getattr(jnp, which)
     values = lax.stop_gradient(_masked(x, mask, _lowest(x.dtype, which)))
-    top = best(values, axis=0)
-    ties = values == top[None]
-    if mask is not None:
-        ties = _masked(ties, mask, False)
-    count = jnp.sum(ties, axis=0, dtype=jnp.int32)
+    top = getattr(jnp, which)(values, axis=0)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return top, jnp.zeros_like(top), count
-    carrier = jnp.sum(jnp.where(ties, x - lax.stop_gradient(x), 0), axis=0)
-    return top, carrier, count
+        return top, jnp.zeros_like(top)
+    return top, jnp.sum(x - lax.stop_gradient(x), axis=0)
 
 
 def combine(which: str, acc: Any, part: Any) -> Any:
     if which == "sum":
         return acc + part
-    (m, s, c), (m2, s2, c2) = acc, part
-    better = m2 > m if which == "max" else m2 < m
-    worse = m2 < m if which == "max" else m2 > m
-    m = jnp.where(better, m2, m)
-    s = jnp.where(better, s2, jnp.where(worse, s, s + s2))
-    c = jnp.where(better, c2, jnp.where(worse, c, c + c2))
-    return m, s, c
+    (m, s), (m2, s2) = acc, part
+    return getattr(jnp, f"{which}imum")(m, m2), s + s2
 
 
-@jax.custom_jvp
-def _with_tangent(value: Array, carrier: Array) -> Array:
-    """`value`, with the tangent of `carrier` (whose value is not used)."""
-    del carrier
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _no_derivative(name: str, value: Array, carrier: Array) -> Array:
+    """`value`, whose derivative (through `carrier`'s) JAX does not define."""
+    del name, carrier
     return value
 
 
-@_with_tangent.defjvp
-def _with_tangent_jvp(primals: tuple[Array, Array], tangents: tuple[Any, Any]) -> Any:
-    (value, _), (_, t_carrier) = primals, tangents
-    return value, t_carrier
+@_no_derivative.defjvp
+def _no_derivative_jvp(name: str, primals: Any, tangents: Any) -> Any:
+    del primals, tangents
+    # What `jax.vmap` raises for a `pmax` or `pmin` with a tangent.
+    raise NotImplementedError(f"Differentiation rule for '{name}' not implemented")
 
 
-def _best_value(acc: Any) -> Array:
-    top, carrier, count = acc
+def _best_value(acc: Any, name: str) -> Array:
+    top, carrier = acc
     if not jnp.issubdtype(top.dtype, jnp.inexact):
         return top
-    return _with_tangent(top, carrier / jnp.maximum(count, 1).astype(top.dtype))
+    return _no_derivative(name, top, carrier)
 
 
 def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> list:
@@ -136,7 +125,7 @@ def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> l
     if name == "psum":
         out = [lax.psum(a, others) if others else a for a in accs]
     elif name in ("pmax", "pmin"):
-        out = [_best_value(a) for a in accs]
+        out = [_best_value(a, name) for a in accs]
         outer = getattr(lax, name)
         out = [outer(x, others) if others else x for x in out]
     elif name == "all_gather":

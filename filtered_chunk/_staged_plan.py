@@ -9,23 +9,16 @@ the collectives' results and the unmapped inputs alone.
 """
 
 import dataclasses
-from collections.abc import Hashable, Iterator
+import functools as ft
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from ._staged_program import (
-    axis_names,
-    bind,
-    CUSTOM,
-    found_in,
-    Program,
-    public_name,
-    subjaxprs,
-    varying_outputs,
-)
+from ._collectives import axis_names, in_derivatives, public_name, subjaxprs
+from ._staged_program import bind, CUSTOM, Program, varying_outputs
 
 
 # Collectives that each element reads its own part of: always a pass, whose
@@ -147,12 +140,16 @@ def check_custom_rules(program: Program, api: str) -> None:
     reverse mode or, where that is not defined, in forward mode.
     """
     axis_name = program.axis_name
-    env = [(axis_name, program.batch_size)]
     for eqn in _custom_calls(program.jaxpr):
         structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
         if not any(_inexact(s) for s in structs):
             continue
-        found = _in_derivatives(eqn, structs, env, axis_name)
+        found = in_derivatives(
+            ft.partial(bind, eqn),
+            structs,
+            axis_name,
+            program.batch_size,
+        )
         if found:
             what = ", ".join(f"`{f}`" for f in found)
             raise ValueError(
@@ -165,40 +162,8 @@ def check_custom_rules(program: Program, api: str) -> None:
             )
 
 
-def _in_derivatives(
-    eqn: Any, structs: list[Any], env: list[Any], axis_name: Hashable
-) -> list[str]:
-    is_inexact = [_inexact(s) for s in structs]
-
-    def _outputs(inexact: list[Any], rest: list[Any]) -> list[Any]:
-        outs = bind(eqn, _merge(inexact, rest, is_inexact))
-        return [x for x in outs if _inexact(x)]
-
-    def _reverse(_inexact: list[Any], _rest: list[Any]) -> Any:
-        out, pullback = jax.vjp(lambda _x: _outputs(_x, _rest), _inexact)
-        return pullback(out)
-
-    def _forward(_inexact: list[Any], _rest: list[Any]) -> Any:
-        return jax.jvp(lambda _x: _outputs(_x, _rest), (_inexact,), (_inexact,))
-
-    inexact = [s for s, b in zip(structs, is_inexact) if b]
-    rest = [s for s, b in zip(structs, is_inexact) if not b]
-    for derivative in (_reverse, _forward):
-        try:
-            traced = jax.make_jaxpr(derivative, axis_env=env)(inexact, rest)
-        except Exception:  # not differentiable in this mode
-            continue
-        return found_in(traced.jaxpr, axis_name)
-    return []
-
-
 def _inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
-
-
-def _merge(a: list[Any], b: list[Any], take_a: list[bool]) -> list[Any]:
-    ia, ib = iter(a), iter(b)
-    return [next(ia) if t else next(ib) for t in take_a]
 
 
 def describe(plan: Plan) -> str:

@@ -88,7 +88,10 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
 def bind(eqn: Any, invals: list[Any]) -> list[Any]:
     """`eqn` applied to `invals`, as `jax.core.eval_jaxpr` does."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
+    # The mesh is where it runs (inside `shard_map`, for a sharded batch), not
+    # where it was traced.
+    mesh = jax.sharding.get_abstract_mesh()
+    with eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh):
         out = eqn.primitive.bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 

@@ -12,9 +12,10 @@ a [`Chunked`][] module holding `fun`, the transform's *plan* and the
 4. the eager path: outside `jit`, a chunked call runs as one compiled program
    (`_eager.py`); traced, it runs inline;
 5. `plan.evaluate`, which builds its chunk function and hands it to
-   [`run_batch`][]: per device if the batch is sharded (`_sharding.py`), after the
-   one collective check (`_collectives.py`), then one `vmap` or the loop
-   (`_chunking.py`); the plan finishes the outputs.
+   [`run_batch`][]: after the one collective analysis (`_collectives.py`), per
+   device if the batch is sharded (`_sharding.py`), then one `vmap`, the loop
+   (`_chunking.py`) or, for collectives across chunks, the staged loops
+   (`_staged.py`); the plan finishes the outputs.
 
 A transform contributes only what differs: how its arguments bind, its chunk
 function, how its outputs are finished (see `docs/internals.md`).
@@ -45,7 +46,7 @@ from ._budget import (
 )
 from ._chunk_search import choose_chunk_size
 from ._chunking import run_in_chunks
-from ._collectives import check_collectives
+from ._collectives import NONE, schedule_collectives, STAGED, WHOLE
 from ._custom_types import (
     CheckpointSpec,
     ChunkFn,
@@ -63,6 +64,7 @@ from ._sharding import (
     find_batch_sharding,
     run_sharded,
 )
+from ._staged import output_shapes, plan_staged_vmap, run_staged_vmap, Shard
 
 
 # What a transform holds: a fixed chunk size, none, or a budget to choose one.
@@ -103,7 +105,9 @@ class Batch(NamedTuple):
     mapped: PyTree[InputArray]
     in_axes: PyTree[int | None]
     size: int
-    # `fun` on one element, returning its arrays: for the collective check.
+    # `fun` on one element, returning `(mapped outputs, unmapped arrays,
+    # Static((the rest, out_axes)))`: for collectives over `axis_name`, which the
+    # staged evaluation computes across chunks (`_staged.run_staged_vmap`).
     element: Callable[[Any, PyTree[Any]], Any] | None = None
     # The transform's own check of `fun`, before a loop of chunks of that size.
     check: Callable[[Any, PyTree[InputArray], int], None] | None = None
@@ -277,25 +281,32 @@ def run_batch(
     sharding: BatchSharding | None = None,
 ) -> ChunkOutput:
     """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
-    `chunk_size`; on each device's shard if `sharding` splits it."""
-    if sharding is not None and not _collectives(batch, chunk_size, options, sharding):
-        # Each device chunks its own shard: see `_sharding.py`. What the batch
-        # closes over is an input there: closing over tracers breaks the transpose
-        # of `shard_map`.
-        on_device = batch._replace(closed=None, mapped=None, size=0)
-        return run_sharded(
-            ft.partial(_on_device, on_device, chunk_size, options),
-            batch.closed,
-            ft.partial(batch.chunk, batch.closed),
-            batch.mapped,
-            batch.in_axes,
-            batch_size=batch.size,
-            sharding=sharding,
-            api=options.api,
-        )
-    # Unsplit, or one `vmap` of the whole batch, as `eqx.filter_vmap`: XLA
-    # computes a collective across the devices.
-    return _run_local(batch, chunk_size, options)
+    `chunk_size`, or the staged loops for collectives over `axis_name`; on each
+    device's shard if `sharding` splits it."""
+    schedule = _schedule(batch, chunk_size, options, sharding)
+    if schedule == WHOLE:
+        # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
+        # collective across the devices.
+        return _run_local(batch, None, options)
+    if schedule == STAGED:
+        assert chunk_size is not None and batch.element is not None
+        return _run_staged(batch, chunk_size, options, sharding)
+    if sharding is None:
+        return _run_local(batch, chunk_size, options)
+    # Each device chunks its own shard: see `_sharding.py`. What the batch closes
+    # over is an input there: closing over tracers breaks the transpose of
+    # `shard_map`.
+    on_device = batch._replace(closed=None, mapped=None, size=0)
+    return run_sharded(
+        ft.partial(_on_device, on_device, chunk_size, options),
+        batch.closed,
+        ft.partial(batch.chunk, batch.closed),
+        batch.mapped,
+        batch.in_axes,
+        batch_size=batch.size,
+        sharding=sharding,
+        api=options.api,
+    )
 
 
 def _on_device(
@@ -308,6 +319,16 @@ def _on_device(
     )
 
 
+def _loop_options(chunk_size: int, options: ChunkOptions) -> dict[str, Any]:
+    return dict(
+        chunk_size=chunk_size,
+        remainder=options.remainder,
+        checkpoint=options.checkpoint,
+        progress_meter=options.progress_meter,
+        api=options.api,
+    )
+
+
 def _run_local(
     batch: Batch, chunk_size: int | None, options: ChunkOptions
 ) -> ChunkOutput:
@@ -317,31 +338,67 @@ def _run_local(
         return chunk_fn(batch.mapped, batch.size)
     if batch.check is not None:
         batch.check(batch.closed, batch.mapped, chunk_size)
-    _collectives(batch, chunk_size, options, None)
     return run_in_chunks(
         chunk_fn,
         batch.mapped,
         batch.in_axes,
         batch_size=batch.size,
-        chunk_size=chunk_size,
-        remainder=options.remainder,
-        checkpoint=options.checkpoint,
-        progress_meter=options.progress_meter,
-        api=options.api,
+        **_loop_options(chunk_size, options),
     )
 
 
-def _collectives(
+def _run_staged(
+    batch: Batch,
+    chunk_size: int,
+    options: ChunkOptions,
+    sharding: BatchSharding | None,
+) -> ChunkOutput:
+    """The staged loops (`_staged.py`), on each device's shard if `sharding`.
+
+    The call is planned once, for the whole batch and outside any `shard_map`;
+    its constants (what `fun` closes over) enter `shard_map` as inputs.
+    """
+    assert batch.element is not None
+    staged = plan_staged_vmap(
+        ft.partial(batch.element, batch.closed),
+        batch.mapped,
+        batch.in_axes,
+        batch_size=batch.size,
+        axis_name=options.axis_name,
+        api=options.api,
+    )
+    loop = _loop_options(chunk_size, options)
+    consts = staged.plan.program.consts
+    if sharding is None:
+        return run_staged_vmap(staged, consts, batch.mapped, **loop)
+    shard = Shard(sharding.axis_names, sharding.num_devices)
+    run = lambda _consts, _mapped, _: run_staged_vmap(  # noqa: E731
+        staged, _consts, _mapped, shard=shard, **loop
+    )
+    return run_sharded(
+        run,
+        consts,
+        lambda _, size: output_shapes(staged, size),
+        batch.mapped,
+        batch.in_axes,
+        batch_size=batch.size,
+        sharding=sharding,
+        api=options.api,
+        check_vma=False,
+    )
+
+
+def _schedule(
     batch: Batch,
     chunk_size: int | None,
     options: ChunkOptions,
     sharding: BatchSharding | None,
-) -> bool:
-    """Whether the batch is evaluated in one `vmap` for its collectives (see
-    `check_collectives`, which raises if it would be chunked)."""
+) -> str:
+    """What collectives over `axis_name` make of the batch (see
+    `schedule_collectives`)."""
     if batch.element is None:
-        return False
-    return check_collectives(
+        return NONE
+    return schedule_collectives(
         ft.partial(batch.element, batch.closed),
         batch.mapped,
         batch.in_axes,
@@ -349,5 +406,4 @@ def _collectives(
         batch_size=batch.size,
         chunk_size=chunk_size,
         sharding=sharding,
-        api=options.api,
     )

@@ -437,3 +437,48 @@ def test_traces_of_fun(remainder, chunk_size):
     assert tree_allclose(out, eqx.filter_vmap(jnp.sin)(x))
     separate = remainder == "separate" and chunk_size is not None
     assert len(traces) == (3 if separate else 2)
+
+
+def _every_collective(w, x):
+    n = jax.lax.axis_size("i")
+    mean = jax.lax.pmean(x * w, "i")
+    var = jax.lax.pmean((x - mean) ** 2, "i")
+    top = jax.lax.pmax(jax.lax.stop_gradient(x), "i")
+    index = jax.lax.axis_index("i").astype(x.dtype)
+    gathered = jax.lax.all_gather(x, "i").sum(0)
+    shifted = jax.lax.ppermute(x, "i", [(j, (j + 3) % n) for j in range(n)])
+    normed = (x - mean) * jax.lax.rsqrt(var + 1.0)
+    return normed + jnp.exp(x - top) * index / n + gathered + shifted * w, mean
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("mesh_of", (mesh_1d, mesh_2d))
+@pytest.mark.parametrize("chunk_size, remainder", ((2, "overlap"), (2, "separate")))
+def test_collectives_staged_per_device(axis_type, mesh_of, chunk_size, remainder):
+    # Each device stages its own 5 elements in chunks of 2; every pass's
+    # accumulators are combined across the devices. Values and gradients (w.r.t.
+    # the unmapped `w` and the mapped `x`) are `eqx.filter_vmap`'s on the whole,
+    # unsharded batch; the mapped output stays split like the batch.
+    mesh = mesh_of(axis_type)
+    names = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
+    x = jr.normal(jr.key(0), (40, 3))
+    w = jnp.array([1.0, 2.0, 0.5])
+    kwargs: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, None))
+    oracle = eqx.filter_vmap(_every_collective, axis_name="i", **kwargs)
+    chunked = fc.filter_chunked_vmap(
+        _every_collective,
+        axis_name="i",
+        chunk_size=chunk_size,
+        remainder=remainder,
+        spmd_axis_name=mesh.axis_names,
+        **kwargs,
+    )
+    loss = lambda f: lambda w, x: jnp.sum(jnp.sin(f(w, x)[0])) + jnp.sum(f(w, x)[1])
+    expected = (oracle(w, x), jax.grad(loss(oracle), (0, 1))(w, x))
+    xs = put(x, mesh, names)
+    with jax.set_mesh(mesh):
+        out = jax.jit(chunked)(w, xs)
+        grads = jax.jit(jax.grad(loss(chunked), (0, 1)))(w, xs)
+    actual, expected = jax.device_get(((out, grads), expected))
+    assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    assert split_like(out[0], mesh, names)

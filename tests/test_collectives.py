@@ -1,4 +1,7 @@
-"""Collectives over `axis_name`: exact with one chunk, refused across chunks."""
+"""Collectives over `axis_name` through the public transform: exact with one chunk
+and across chunks (staged), refused where only a derivative rule holds them.
+
+The staged evaluation itself is tested in `test_staged.py`."""
 
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 
 import filtered_chunk as fc
 
+from .budgets import compiled_bytes
 from .helpers import tree_allclose
 
 
@@ -28,32 +32,19 @@ _COLLECTIVES = {
         lambda y: lax.cond(y[0] > 0, lambda z: lax.psum(z, "i"), lambda z: z, y)
     )(x),
 }
-_NAMES = {
-    "psum": "psum",
-    "pmean": "psum",  # `pmean` is a `psum` divided by the axis size
-    "pmax": "pmax",
-    "all_gather": "all_gather",
-    "axis_index": "axis_index",
-    "axis_size": "axis_size",
-    "psum-of-constant": "axis_size",
-    "psum-in-jit-and-cond": "psum",
-}
 
 
 @pytest.mark.parametrize("name", _COLLECTIVES)
-def test_refused_across_chunks(name):
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_exact_across_chunks(name, remainder):
     f = _COLLECTIVES[name]
     x = jnp.arange(1.0, 17.0).reshape(8, 2)
-    chunked = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)
-    match = (
-        rf"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
-        rf"collective\(s\) `{_NAMES[name]}` over 'i', but the batch of 8 is split "
-        r"into 3 chunks of `chunk_size=3`"
+    expected = eqx.filter_vmap(f, axis_name="i")(x)
+    chunked = fc.filter_chunked_vmap(
+        f, axis_name="i", chunk_size=3, remainder=remainder
     )
-    with pytest.raises(ValueError, match=match):
-        chunked(x)
-    with pytest.raises(ValueError, match=match):
-        jax.jit(chunked)(x)
+    assert tree_allclose(chunked(x), expected)
+    assert tree_allclose(jax.jit(chunked)(x), expected)
 
 
 @pytest.mark.parametrize("name", _COLLECTIVES)
@@ -81,10 +72,9 @@ def test_collective_over_an_outer_axis(getkey):
     oracle = eqx.filter_vmap(inner, axis_name="i")
     expected = jax.vmap(oracle, axis_name="j")(x)
     assert tree_allclose(jax.vmap(chunked, axis_name="j")(x), expected)
-    outer = fc.filter_chunked_vmap(chunked, axis_name="j", chunk_size=3)
-    assert tree_allclose(outer(x), expected)
-    with pytest.raises(ValueError, match=r"collective\(s\) `psum` over 'j'"):
-        fc.filter_chunked_vmap(chunked, axis_name="j", chunk_size=2)(x)
+    for chunk_size in (3, 2):  # the outer map in one chunk, then staged
+        outer = fc.filter_chunked_vmap(chunked, axis_name="j", chunk_size=chunk_size)
+        assert tree_allclose(outer(x), expected)
 
 
 @jax.custom_vjp
@@ -107,9 +97,8 @@ def _sync_jvp_rule(primals, tangents):
 
 _CUSTOM_RULES = {"custom_vjp": _sync_vjp, "custom_jvp": _sync_jvp}
 _REFUSED = (
-    r"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
-    r"collective\(s\) `psum` over 'i', but the batch of 10 is split into 4 chunks "
-    r"of `chunk_size=3`"
+    r"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the collective\(s\) "
+    r"`lax.psum` over 'i' are performed only by a custom derivative rule"
 )
 
 
@@ -171,33 +160,23 @@ def test_no_false_positive_without_collectives(jit, getkey):
     )
 
 
-# Shapes that only work at the full axis size: the probe must find the collective
-# before tracing `fun` at any other size.
+# Shapes that only work at the full axis size: the collective must be found before
+# tracing `fun` at any other size.
 _SIZED = {
-    "all_gather": (
-        lambda e: lax.all_gather(e, "i").reshape(20)[:2] + e,
-        (10, 2),
-        "all_gather",
-    ),
-    "all_to_all": (lambda e: lax.all_to_all(e, "i", 0, 0), (10, 10), "all_to_all"),
-    "psum_scatter": (lambda e: lax.psum_scatter(e, "i"), (10, 10), "reduce_scatter"),
+    "all_gather": (lambda e: lax.all_gather(e, "i").reshape(20)[:2] + e, (10, 2)),
+    "all_to_all": (lambda e: lax.all_to_all(e, "i", 0, 0), (10, 10)),
+    "psum_scatter": (lambda e: lax.psum_scatter(e, "i"), (10, 10)),
 }
 
 
 @pytest.mark.parametrize("name", _SIZED)
 @pytest.mark.parametrize("jit", (False, True))
-def test_size_dependent_shapes_raise_the_documented_error(name, jit):
-    f, shape, primitive = _SIZED[name]
+def test_size_dependent_shapes_are_exact(name, jit):
+    f, shape = _SIZED[name]
     x = jnp.arange(float(np.prod(shape))).reshape(shape)
     chunked = fc.filter_chunked_vmap(f, axis_name="i", chunk_size=3)
-    match = (
-        rf"`filter_chunked_vmap\(\.\.\., axis_name='i'\)`: the function uses the "
-        rf"collective\(s\) `{primitive}` over 'i', but the batch of 10 is split"
-    )
-    with pytest.raises(ValueError, match=match):
-        (jax.jit(chunked) if jit else chunked)(x)
     expected = eqx.filter_vmap(f, axis_name="i")(x)
-    assert tree_allclose(fc.filter_chunked_vmap(f, axis_name="i")(x), expected)
+    assert tree_allclose((jax.jit(chunked) if jit else chunked)(x), expected)
 
 
 def test_numpy_random_numbers_at_trace_time_are_not_axis_size():
@@ -211,3 +190,22 @@ def test_numpy_random_numbers_at_trace_time_are_not_axis_size():
     assert tree_allclose(out, x * scale)
     expected = eqx.filter_vmap(f, axis_name="i")(x)
     assert tree_allclose(out.shape, expected.shape)
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_budget_measures_the_staged_program(remainder, getkey):
+    # The budget's search compiles the staged loops: the call fits, evaluated and
+    # under `jax.grad`, with every value the user varies an argument.
+    x = jr.normal(getkey(), (48, 24))
+    f = lambda e: jnp.tanh(jnp.outer(e, e)) @ e / lax.psum(jnp.sum(e**2), "i")
+    loss = lambda g: lambda x: jnp.sum(g(x) ** 2)
+    whole = fc.filter_chunked_vmap(f, axis_name="i")
+    budget = compiled_bytes(jax.grad(loss(whole)), x) // 2
+    chunked = fc.filter_chunked_vmap(
+        f, axis_name="i", chunk_size=fc.MemoryBudget(budget), remainder=remainder
+    )
+    assert compiled_bytes(chunked, x) <= budget
+    assert compiled_bytes(jax.grad(loss(chunked)), x) <= budget
+    assert tree_allclose(chunked(x), eqx.filter_vmap(f, axis_name="i")(x))
+    expected = jax.grad(loss(eqx.filter_vmap(f, axis_name="i")))(x)
+    assert tree_allclose(jax.grad(loss(chunked))(x), expected)

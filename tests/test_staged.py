@@ -1,6 +1,5 @@
 """The staged evaluation of collectives across chunks, against `jax.vmap`."""
 
-import functools as ft
 
 import equinox as eqx
 import hypothesis.strategies as st
@@ -12,9 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from filtered_chunk._chunked_vmap import _evaluate
-from filtered_chunk._custom_types import unwrap_kept
-from filtered_chunk._staged import run_staged, run_staged_vmap
+import filtered_chunk as fc
+from filtered_chunk._staged import run_staged
 
 from .helpers import tree_allclose
 from .staged_cases import staged_call, vmap_call
@@ -87,14 +85,6 @@ def _no_shuffles(m, u):
     ]
 
 
-def _batch_max(xs):
-    return jnp.broadcast_to(jnp.max(xs, axis=0), xs.shape)
-
-
-def _batch_min(xs):
-    return jnp.broadcast_to(jnp.min(xs, axis=0), xs.shape)
-
-
 @pytest.mark.parametrize(
     "collective",
     [
@@ -122,23 +112,30 @@ def test_each_collective_and_its_gradient(collective, chunk_size, getkey):
     assert tree_allclose(jax.grad(loss(staged))(x), expected_grad)
 
 
-@pytest.mark.parametrize(
-    "collective, batch", [("pmax", _batch_max), ("pmin", _batch_min)]
-)
+@pytest.mark.parametrize("collective", ("pmax", "pmin"))
 @pytest.mark.parametrize("chunk_size", (1, 2))
-def test_pmax_pmin_and_their_gradients(collective, batch, chunk_size, getkey):
-    # `jax.vmap` has no derivative of `pmax`/`pmin`; the staged one is that of the
-    # reduction over the batch that `jax.vmap` computes (`jnp.max`), ties included.
+def test_pmax_pmin_values_and_no_derivative(collective, chunk_size, getkey):
+    # Ties across chunks. `jax.vmap` defines no derivative of `pmax`/`pmin` and
+    # raises; so does the staged one. Of the collective of a `stop_gradient`, both
+    # differentiate the rest.
     x = jr.normal(getkey(), (5, 3, 10))
     x = x.at[3, 0].set(x[1, 0]).at[1, 1].set(jnp.max(x[:, 1]) + 1)
-    x = x.at[4, 1].set(x[1, 1]).at[0, 2].set(jnp.max(x[:, 2]) + 1)
-    x = x.at[2, 2].set(x[0, 2]).at[4, 2].set(x[0, 2])
-    fun = lambda m, u: ([jnp.sin(getattr(lax, collective)(m[0], "i"))], [])
+    x = x.at[4, 1].set(x[1, 1]).at[2, 2].set(x[0, 2]).at[4, 2].set(x[0, 2])
+    reduce = lambda y: getattr(lax, collective)(y, "i")
+    fun = lambda m, u: ([jnp.sin(reduce(m[0]))], [])
     assert tree_allclose(staged_call(fun, [x], [], chunk_size), vmap_call(fun, [x], []))
     ct = jr.normal(getkey(), x.shape)
-    staged = lambda _x: jnp.sum(staged_call(fun, [_x], [], chunk_size)[0][0] * ct)
-    oracle = lambda _x: jnp.sum(jnp.sin(batch(_x)) * ct)
-    assert tree_allclose(jax.grad(staged)(x), jax.grad(oracle)(x))
+    staged = lambda f, m, u: staged_call(f, m, u, chunk_size)
+    loss = lambda run, f: lambda _x: jnp.sum(run(f, [_x], [])[0][0] * ct)
+    match = f"Differentiation rule for '{collective}' not implemented"
+    for run in (vmap_call, staged):
+        with pytest.raises(NotImplementedError, match=match):
+            jax.grad(loss(run, fun))(x)
+        with pytest.raises(NotImplementedError, match=match):
+            jax.jvp(loss(run, fun), (x,), (ct,))
+    shifted = lambda m, u: ([jnp.sin(m[0] - reduce(lax.stop_gradient(m[0])))], [])
+    expected = jax.grad(loss(vmap_call, shifted))(x)
+    assert tree_allclose(jax.grad(loss(staged, shifted))(x), expected)
 
 
 def test_levels_count_passes(getkey):
@@ -189,16 +186,6 @@ def test_normalised_loss_derivatives(batch_size, remainder, getkey):
     assert tree_allclose(jvp(staged), jvp(vmap_call))
     jitted = jax.jit(lambda _x, _w: loss(staged)(_x, _w))
     assert tree_allclose(jitted(x, w), loss(vmap_call)(x, w))
-
-
-def test_pmax_ties_share_the_gradient():
-    # Ties in different chunks: each of the three gets a third of the derivative.
-    x = jnp.array([[1.0], [3.0], [0.0], [3.0], [3.0], [2.0], [-1.0]])
-    fun = lambda m, u: ([lax.pmax(m[0], "i") * (1.0 + m[0])], [])
-    oracle = lambda _x: jnp.sum(_batch_max(_x) * (1.0 + _x))
-    for remainder in REMAINDERS:
-        staged = lambda _x: jnp.sum(staged_call(fun, [_x], [], 2, remainder)[0][0])
-        assert tree_allclose(jax.grad(staged)(x), jax.grad(oracle)(x))
 
 
 class _MLP(eqx.Module):
@@ -456,30 +443,23 @@ def test_callbacks_run_in_the_final_pass_only():
 
 
 @pytest.mark.parametrize("mode, remainder", [("ema", "separate"), ("batch", "overlap")])
-def test_dispatch_call_matches_filter_vmap(mode, remainder, getkey):
-    # `run_staged_vmap` on `filter_chunked_vmap`'s per-element function: the
-    # outputs, with the new `eqx.nn.State`, are `eqx.filter_vmap`'s.
+@pytest.mark.parametrize("jit", (False, True))
+def test_public_call_matches_filter_vmap(mode, remainder, jit, getkey):
+    # `filter_chunked_vmap` with `eqx.nn.BatchNorm` in training: the outputs and
+    # the new `eqx.nn.State` are `eqx.filter_vmap`'s, and so is the gradient.
     model, state = eqx.nn.make_with_state(_MLP)(mode, getkey())
     x = jr.normal(getkey(), (9, 3))
-    out_axes = (0, None)
+    kwargs: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name="batch")
+    chunked = fc.filter_chunked_vmap(model, chunk_size=4, remainder=remainder, **kwargs)
+    expected = eqx.filter_vmap(model, **kwargs)(x, state)
+    call = eqx.filter_jit(chunked) if jit else chunked
+    assert tree_allclose(call(x, state), expected)
 
-    @eqx.filter_jit
-    def staged(_model, _x, _state):
-        mapped, static = ((_x, None), {}), ((None, _state), {})
-        element = ft.partial(_evaluate, _model, out_axes, static)
-        out = run_staged_vmap(
-            element,
-            mapped,
-            ((0, None), {}),
-            batch_size=9,
-            chunk_size=4,
-            remainder=remainder,
-            checkpoint=True,
-            axis_name="batch",
-        )
-        return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
+    def loss(m, apply):
+        out, _ = apply(m)(x, state)
+        return jnp.sum(jnp.tanh(out))
 
-    expected = eqx.filter_vmap(
-        model, in_axes=(0, None), out_axes=out_axes, axis_name="batch"
-    )(x, state)
-    assert tree_allclose(staged(model, x, state), expected)
+    chunked_of = lambda m: fc.filter_chunked_vmap(m, chunk_size=4, **kwargs)
+    oracle_of = lambda m: eqx.filter_vmap(m, **kwargs)
+    grads = eqx.filter_grad(loss)(model, chunked_of)
+    assert tree_allclose(grads, eqx.filter_grad(loss)(model, oracle_of))

@@ -5,8 +5,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import pytest
 
-from filtered_chunk._chunked_vmap import _split_output
-from filtered_chunk._staged import run_staged_vmap
+import filtered_chunk as fc
 from filtered_chunk._staged_plan import VaryingUnmappedOutput
 
 from .staged_cases import staged_call
@@ -90,16 +89,8 @@ def test_refuses_collective_in_a_custom_jvp_rule():
     )
 
 
-def test_dispatch_call_names_a_varying_unmapped_output():
-    element = lambda m: _split_output({"w": m[0] * lax.psum(m[0], "i")}, None, True)
+def test_public_call_names_a_varying_unmapped_output():
+    f = lambda x: {"w": x * lax.psum(x, "i")}
+    chunked = fc.filter_chunked_vmap(f, out_axes=None, axis_name="i", chunk_size=2)
     with pytest.raises(ValueError, match=r"gives `None` for `output\['w'\]`"):
-        run_staged_vmap(
-            element,
-            (jnp.ones((5, 2)),),
-            (0,),
-            batch_size=5,
-            chunk_size=2,
-            remainder="overlap",
-            checkpoint=True,
-            axis_name="i",
-        )
+        chunked(jnp.ones((5, 2)))
