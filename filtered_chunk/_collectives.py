@@ -210,8 +210,8 @@ def schedule_collectives(
     - `NONE`: as if there were none: no collective (or no axis name), or a batch of
       one chunk on one device (`chunk_size` `None` or at least `batch_size`),
       which is not traced here.
-    - `WHOLE`: one `vmap` of the whole batch: it is split over devices into shards
-      of at most one chunk, and XLA computes the collective across them.
+    - `WHOLE`: one `vmap` of the whole batch split over devices, with
+      `chunk_size=None`: XLA computes the collective across them.
     - `WHOLE` also when a chunked map is nested in a staged one and uses a
       collective over its axis (see `staging`).
     - `STAGED`: the staged evaluation (`_staged.py`), on each device's shard if the
@@ -219,7 +219,9 @@ def schedule_collectives(
       cannot compute exactly.
     """
     local = batch_size if sharding is None else batch_size // sharding.num_devices
-    one_chunk = chunk_size is None or chunk_size >= local
+    # A sharded batch is staged on each device, unless `chunk_size=None` asks for
+    # one `vmap` of the whole batch.
+    one_chunk = chunk_size is None or (sharding is None and chunk_size >= local)
     structs = jtu.tree_map(element_struct, in_axes, mapped)
     arrays = lambda m: eqx.filter(element(m), eqx.is_array)  # noqa: E731
     outer = [n for n in _staging if n != axis_name]

@@ -270,6 +270,7 @@ def run_plan(
     0; this device's shard of it with `shard`): the mapped and unmapped outputs.
     `consts` are the program's (inputs of the `shard_map`, when sharded)."""
     fixed = list(consts) + list(unmapped)
+    chunk_size = min(chunk_size, _local_size(plan, shard))  # a shard in one chunk
     results: dict[int, list[Array]] = {}
     options: dict[str, Any] = dict(
         chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, shard=shard
@@ -377,6 +378,8 @@ def _final(
         return ChunkOutput(out, (0,) * len(out), [], None)
 
     inputs = (list(mapped), _positions(batch_size, shard))
+    if options["chunk_size"] >= batch_size:  # a device's shard in one chunk
+        return list(_chunk_fn(inputs, batch_size).batched)
     in_axes = ([0] * len(mapped), 0)
     out = run_in_chunks(
         _chunk_fn,

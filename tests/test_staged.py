@@ -1,6 +1,5 @@
 """The staged evaluation of collectives across chunks, against `jax.vmap`."""
 
-
 import equinox as eqx
 import hypothesis.strategies as st
 import jax
