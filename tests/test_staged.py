@@ -462,3 +462,21 @@ def test_public_call_matches_filter_vmap(mode, remainder, jit, getkey):
     oracle_of = lambda m: eqx.filter_vmap(m, **kwargs)
     grads = eqx.filter_grad(loss)(model, chunked_of)
     assert tree_allclose(grads, eqx.filter_grad(loss)(model, oracle_of))
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+def test_pargmax_from_levels(remainder, getkey):
+    # The position of the batch's maximum, composed of `pmax`, `axis_index` and
+    # `pmin` (the first of ties): two dependent levels, through the public call.
+    def pargmax(x):
+        top = lax.pmax(x, "i")
+        index = lax.axis_index("i")
+        return lax.pmin(jnp.where(x == top, index, lax.axis_size("i")), "i")
+
+    x = jr.normal(getkey(), (11, 4)).at[7, 1].set(9.0).at[2, 1].set(9.0)
+    expected = eqx.filter_vmap(pargmax, axis_name="i")(x)
+    chunked = fc.filter_chunked_vmap(
+        pargmax, axis_name="i", chunk_size=K, remainder=remainder
+    )
+    assert tree_allclose(chunked(x), expected)
+    assert bool(jnp.all(expected[0] == jnp.argmax(x, axis=0).astype(jnp.int32)))
