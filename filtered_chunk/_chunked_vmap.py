@@ -274,11 +274,13 @@ def filter_chunked_vmap(
         transform is first called with given shapes (see the guide on
         [choosing `chunk_size`][choosing-chunk_size]).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
-        `jax.lax.psum`. When the batch is split into more than one chunk, a
-        collective over this axis (even one that only a custom derivative rule
-        performs) would only see one chunk, so it raises a `ValueError` instead of
-        computing a per-chunk result. With one chunk it is computed as by
-        `equinox.filter_vmap`, also on a batch split over devices.
+        `jax.lax.psum`. They are computed over the whole batch, as by
+        `equinox.filter_vmap`, however it is split: across chunks, `fun` is
+        evaluated in passes over the batch, one per level of collectives that
+        depend on each other, plus the final one (see
+        [collectives across chunks][collectives-across-chunks]). What cannot be computed
+        exactly across chunks (a collective inside a `lax.scan` body, or one that
+        only a custom derivative rule performs) raises before anything runs.
     - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
     - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
         elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /

@@ -17,7 +17,7 @@ costs no pass (`psum` of it is `batch_size` times it, as in `jax.vmap`), nor doe
 """
 
 import dataclasses
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -25,6 +25,8 @@ import jax.core
 import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array
+
+from ._collectives import axis_names, found_in, public_name, staging, subjaxprs
 
 
 # The primitives that JAX's collectives bind, under `jax.vmap` with `axis_name`.
@@ -36,40 +38,6 @@ _LOOPS = ("scan", "while")
 CUSTOM = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 # The collectives whose result is the same for every element.
 INVARIANT = REDUCTIONS + ("all_gather",)
-_PUBLIC = {"reduce_scatter": "psum_scatter"}
-
-
-def axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
-    names = params.get("axes", params.get("axis_name", ()))
-    return tuple(names) if isinstance(names, tuple | list) else (names,)
-
-
-def public_name(eqn: Any) -> str:
-    """The name a user writes for the collective that `eqn` binds."""
-    name = _PUBLIC.get(eqn.primitive.name, eqn.primitive.name)
-    return f"lax.{name}"
-
-
-def subjaxprs(value: Any) -> Iterator[Any]:
-    if isinstance(value, jex.Jaxpr):
-        yield value
-    elif isinstance(value, jex.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from subjaxprs(v)
-
-
-def found_in(jaxpr: Any, axis_name: Hashable) -> list[str]:
-    """The collectives over `axis_name` anywhere in `jaxpr`, as users write them."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if axis_name in axis_names(eqn.params):
-            found.append(public_name(eqn))
-        for value in eqn.params.values():
-            for sub in subjaxprs(value):
-                found += found_in(sub, axis_name)
-    return sorted(set(found))
 
 
 def _body_holds(eqn: Any, axis_name: Hashable) -> list[str]:
@@ -198,7 +166,8 @@ def staged_program(
         return list(out_mapped) + list(out_unmapped)
 
     env = [(axis_name, batch_size)]
-    closed = jax.make_jaxpr(_fun, axis_env=env)(mapped, unmapped)
+    with staging(axis_name):  # a chunked map inside evaluates at once if need be
+        closed = jax.make_jaxpr(_fun, axis_env=env)(mapped, unmapped)
     num_mapped_out, aux_value, kept = aux[0]
     varying = [False] * len(closed.consts) + [True] * len(mapped)
     varying += [False] * len(unmapped)
@@ -272,7 +241,8 @@ def _check_collective(eqn: Any, axis_name: Hashable, api: str) -> None:
             "chunks. Use `chunk_size=None` (or at least the batch size)."
         )
     if eqn.params.get("axis_index_groups") is not None:
-        raise ValueError(
+        # The class `jax.vmap` raises for them.
+        raise NotImplementedError(
             f"`{api}(..., axis_name={axis_name!r})`: {where} has `axis_index_groups`, "
             "which chunks of the batch cannot compute exactly. Use `chunk_size=None` "
             "(or at least the batch size), or write the groups as masks."
