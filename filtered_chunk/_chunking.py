@@ -158,15 +158,17 @@ def run_in_chunks(
     checkpoint: CheckpointSpec,
     progress_meter: AbstractProgressMeter | None = None,
     api: str = "",
+    loop: str | None = None,
 ) -> ChunkOutput:
     """Evaluates `chunk_fn` over the whole batch in chunks of `chunk_size`.
 
     Requires `0 < chunk_size < batch_size`; returns what `chunk_fn(inputs,
     batch_size)` would, with the batched outputs at full batch size. Each step
-    reports to `progress_meter` (labelled `api`): see `_reporting.py`.
+    reports to `progress_meter` (labelled `api`, and `loop` if one of several):
+    see `_reporting.py`.
     """
     assert 0 < chunk_size < batch_size
-    found = reporter(progress_meter, api, batch_size, chunk_size, remainder)
+    found = reporter(progress_meter, api, batch_size, chunk_size, remainder, loop)
     chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)

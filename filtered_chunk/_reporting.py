@@ -263,9 +263,11 @@ def reporter(
     batch_size: int,
     chunk_size: int,
     remainder: str,
+    loop: str | None = None,
 ) -> Reporter | None:
     """What a loop reports to `meter`: `None` if nothing (no meter, or inside the
-    loop of an outer chunked call that reports, since nested bars interleave)."""
+    loop of an outer chunked call that reports, since nested bars interleave).
+    `loop` says which of a call's loops it is (`"loop 1 of 3"`), in the label."""
     context = _context.get()
     if not is_reporting(meter) or context.outer:
         return None
@@ -276,6 +278,7 @@ def reporter(
     else:  # whole chunks; the remainder is evaluated after the loop
         first, last = chunk_size, batch_size // chunk_size * chunk_size
     label = getattr(meter, "label", None) or api
+    label = label if loop is None else f"{label} ({loop})"
     scale = context.num_devices
     # At most `max_updates` reports per call: each costs a host callback.
     loop_steps = -(-last // first)

@@ -36,6 +36,7 @@ from ._collectives import axis_names
 from ._custom_types import CheckpointSpec, InputArray, keep_untraced
 from ._derivatives import checkpointed
 from ._progress import AbstractProgressMeter
+from ._reporting import quiet, report_step, reporter
 from ._staged_passes import (
     combine,
     finish,
@@ -150,6 +151,8 @@ def _pass(
     remainder: str,
     checkpoint: CheckpointSpec,
     shard: Shard | None,
+    progress_meter: AbstractProgressMeter | None,
+    api: str,
 ) -> dict[int, list[Array]]:
     """The results of the level's collectives, from one chunked loop (on each
     device's shard, then across the devices, if `shard` says so).
@@ -158,36 +161,58 @@ def _pass(
     transposes them into stacked cotangents, with no batch-sized carry.
     """
     batch_size = _local_size(plan, shard)
+    loop = f"loop {level} of {plan.num_passes + 1}"
+    found = reporter(progress_meter, api, batch_size, chunk_size, remainder, loop)
     if remainder == "overlap":
         chunk_size = balanced_chunk_size(batch_size, chunk_size)
     whole, leftover = divmod(batch_size, chunk_size)
     operands = _operands(plan, level)
     reductions = [(w, a) for _, w, a in operands if w != "gather"]
-    step = checkpointed(ft.partial(_chunk, plan, level), checkpoint)
+    # Nested chunked calls do not report.
+    step = quiet(checkpointed(ft.partial(_chunk, plan, level), checkpoint), found)
     positions = _positions(batch_size, shard)
-    stack = lambda x: x[: whole * chunk_size].reshape(whole, chunk_size, *x.shape[1:])  # noqa: E731
+    overlap = remainder == "overlap" and leftover > 0
+    # With an overlapping last chunk, it is one more step of the loop, whose rows
+    # that the step before computed are masked out of every reduction (so that
+    # every report is made inside the loop, in order).
+    starts = np.arange(whole) * chunk_size
+    masks = np.ones((whole, chunk_size), bool)
+    if overlap:
+        starts = np.append(starts, batch_size - chunk_size)
+        new = np.arange(chunk_size) >= chunk_size - leftover
+        masks = np.concatenate([masks, new[None]])
 
-    def _body(acc: list[Any], xs: tuple[list[Array], Array]) -> tuple[Any, Any]:
-        partial, gathered = step(fixed, results, *xs, None)
-        return [
-            combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)
-        ], gathered
+    def stack(x: Array) -> Array:
+        chunks = x[: whole * chunk_size].reshape(whole, chunk_size, *x.shape[1:])
+        if not overlap:
+            return chunks
+        return jnp.concatenate([chunks, x[batch_size - chunk_size :][None]])
+
+    def _body(acc: list[Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
+        start, mask, *_xs = xs
+        partial, gathered = step(fixed, results, *_xs, mask if overlap else None)
+        acc = [combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)]
+        report_step(found, start, chunk_size, acc)
+        return acc, gathered
 
     init = [initial(w, a) for w, a in reductions]
-    xs = ([stack(x) for x in mapped], stack(positions))
+    xs = (jnp.asarray(starts), jnp.asarray(masks))
+    xs += ([stack(x) for x in mapped], stack(positions))
     acc, gathered = lax.scan(_body, init, xs)
-    gathered = [g.reshape(whole * chunk_size, *g.shape[2:]) for g in gathered]
-    if leftover:
-        overlap = remainder == "overlap"
-        start = batch_size - chunk_size if overlap else whole * chunk_size
-        mask = None
-        if overlap:  # the rows that earlier chunks computed count once
-            mask = jnp.asarray(np.arange(start, batch_size) >= whole * chunk_size)
+    if overlap:  # the last step's new rows
+        skip = chunk_size - leftover
+        gathered = [
+            jnp.concatenate([g[:-1].reshape(-1, *g.shape[2:]), g[-1, skip:]])
+            for g in gathered
+        ]
+    else:
+        gathered = [g.reshape(whole * chunk_size, *g.shape[2:]) for g in gathered]
+    if leftover and not overlap:  # a separate remainder: reported by no loop
+        start = whole * chunk_size
         rest = ([x[start:] for x in mapped], positions[start:])
-        partial, last = step(fixed, results, *rest, mask)
+        partial, last = step(fixed, results, *rest, None)
         acc = [combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)]
-        skip = chunk_size - leftover if overlap else 0
-        gathered = [jnp.concatenate([g, x[skip:]]) for g, x in zip(gathered, last)]
+        gathered = [jnp.concatenate([g, x]) for g, x in zip(gathered, last)]
     if shard is not None:
         acc = [_across(w, a, shard) for (w, _), a in zip(reductions, acc)]
         gathered = [lax.all_gather(g, shard.axis_names, tiled=True) for g in gathered]
@@ -276,7 +301,18 @@ def run_plan(
         chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, shard=shard
     )
     for level in range(1, plan.num_passes + 1):
-        results.update(_pass(plan, level, fixed, dict(results), mapped, **options))
+        results.update(
+            _pass(
+                plan,
+                level,
+                fixed,
+                dict(results),
+                mapped,
+                progress_meter=progress_meter,
+                api=api,
+                **options,
+            )
+        )
     out_mapped = _final(plan, fixed, results, mapped, progress_meter, api, **options)
     args = _with_mapped(plan, fixed, [None] * plan.program.num_mapped_in)
     out_unmapped = _evaluate(plan, UNMAPPED, args, results, None)
@@ -381,6 +417,7 @@ def _final(
     if options["chunk_size"] >= batch_size:  # a device's shard in one chunk
         return list(_chunk_fn(inputs, batch_size).batched)
     in_axes = ([0] * len(mapped), 0)
+    loops = plan.num_passes + 1
     out = run_in_chunks(
         _chunk_fn,
         inputs,
@@ -388,6 +425,7 @@ def _final(
         batch_size=batch_size,
         progress_meter=progress_meter,
         api=api,
+        loop=None if loops == 1 else f"loop {loops} of {loops}",
         **options,
     )
     return list(out.batched)

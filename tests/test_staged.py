@@ -14,6 +14,7 @@ import filtered_chunk as fc
 from filtered_chunk._staged import run_staged
 
 from .helpers import tree_allclose
+from .meters import recorder
 from .staged_cases import staged_call, vmap_call
 
 
@@ -480,3 +481,29 @@ def test_pargmax_from_levels(remainder, getkey):
     )
     assert tree_allclose(chunked(x), expected)
     assert bool(jnp.all(expected[0] == jnp.argmax(x, axis=0).astype(jnp.int32)))
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("jit", (False, True))
+def test_progress_reports_every_loop(remainder, jit):
+    # A softmax over the batch takes three loops (`pmax`, then `psum`, then the
+    # outputs): each reports as one run of the meter, labelled with its loop, and
+    # counts every element once.
+    meter = recorder()
+    softmax = lambda x: (
+        jnp.exp(x - lax.pmax(x, "i")) / lax.psum(jnp.exp(x - lax.pmax(x, "i")), "i")
+    )
+    x = jnp.linspace(-1.0, 1.0, 22).reshape(11, 2)
+    chunked = fc.filter_chunked_vmap(
+        softmax, axis_name="i", chunk_size=K, remainder=remainder, progress_meter=meter
+    )
+    out = (jax.jit(chunked) if jit else chunked)(x)
+    assert tree_allclose(out, eqx.filter_vmap(softmax, axis_name="i")(x))
+    opens = [i for i, e in enumerate(meter.events) if e[0] == "open"]
+    labels = [f"filter_chunked_vmap (loop {k} of 3)" for k in (1, 2, 3)]
+    assert [meter.events[i] for i in opens] == [("open", s, 11) for s in labels]
+    for start, end in zip(opens, [*opens[1:], len(meter.events)]):
+        one = meter.events[start:end]
+        counts = [e[1] for e in one[1:-1]]
+        assert one[-1] == ("close",) and counts[-1] == 11
+        assert all(a < b for a, b in zip(counts, counts[1:]))
