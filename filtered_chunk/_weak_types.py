@@ -28,7 +28,6 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
-from jaxtyping import Array
 
 from ._custom_types import InputArray
 from ._jax_compat import with_weak_type
@@ -41,13 +40,13 @@ def _weak(x: Any) -> bool:
     return bool(jax.typeof(x).weak_type)
 
 
-def _retyped(x: Array, weak_type: bool | None) -> Array:
+def _retyped(x: InputArray, weak_type: bool | None) -> InputArray:
     if weak_type is None or _weak(x) == weak_type:
         return x
     return with_weak_type(x, weak_type)
 
 
-def _probe(shape: Shape, dtype: Any, weak_type: bool) -> Array:
+def _probe(shape: Shape, dtype: Any, weak_type: bool) -> InputArray:
     return with_weak_type(jnp.zeros(shape, dtype), weak_type)
 
 
@@ -57,8 +56,8 @@ join_p = jex.Primitive("chunk_weak_type_join")
 
 
 def fork(
-    t: InputArray | tuple[Array, Array], shapes: Sequence[Shape]
-) -> tuple[Array, list[Array]]:
+    t: InputArray | tuple[InputArray, InputArray], shapes: Sequence[Shape]
+) -> tuple[InputArray, list[InputArray]]:
     """`t` and, per shape, a probe of that shape with no elements, whose cotangent
     gives `t`'s its weak type.
 
@@ -73,13 +72,13 @@ def fork(
     return out[0], list(out[1:])
 
 
-def join(t: Array, probe: Array, weak_type: bool | None = None) -> Array:
+def join(t: InputArray, probe: InputArray, weak_type: bool | None = None) -> InputArray:
     """`t` (weakly typed if `weak_type`, unchanged if `None`), whose cotangent's
     weak type goes into `probe`'s cotangent."""
     return join_p.bind(t, probe, weak_type=weak_type)
 
 
-def strong_and_weak(t: Array) -> tuple[Array, Array]:
+def strong_and_weak(t: InputArray) -> tuple[InputArray, InputArray]:
     """Copies of `t`, strongly and weakly typed, for `fork`; their
     cotangents keep their own weak types.
 
@@ -96,7 +95,7 @@ def strong_and_weak(t: Array) -> tuple[Array, Array]:
 
 
 @fork_p.def_impl
-def _fork_impl(*ts: Array, shapes: tuple[Shape, ...]) -> list[Array]:
+def _fork_impl(*ts: InputArray, shapes: tuple[Shape, ...]) -> list[InputArray]:
     return [ts[0], *(_probe(shape, ts[0].dtype, _weak(ts[0])) for shape in shapes)]
 
 
@@ -108,7 +107,9 @@ def _fork_abstract_eval(*ts: Any, shapes: tuple[Shape, ...]) -> list[Any]:
 
 
 @join_p.def_impl
-def _join_impl(t: Array, probe: Array, *, weak_type: bool | None) -> Array:
+def _join_impl(
+    t: InputArray, probe: InputArray, *, weak_type: bool | None
+) -> InputArray:
     del probe
     return _retyped(t, weak_type)
 
