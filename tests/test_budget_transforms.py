@@ -24,7 +24,7 @@ from .budgets import (
     nonlinear_element,
 )
 from .helpers import tree_allclose
-from .transforms import TRANSFORMS
+from .transforms import DERIVATIVES, TRANSFORMS
 
 
 def _apply_fun(p: Any, x: Any) -> Any:
@@ -140,16 +140,6 @@ def test_jvp_fits_or_the_budget_is_too_small():
 
 
 _ACTIVATIONS = (jnp.tanh, jnp.sin, jax.nn.softplus, jax.nn.silu)
-_JAX_TRANSFORMATIONS = (
-    "grad",
-    "value_and_grad",
-    "vjp",
-    "jvp",
-    "linearize",
-    "jacrev",
-    "jacfwd",
-    "hessian",
-)
 
 
 def _random_element(activations: tuple[int, ...]) -> Callable[..., Any]:
@@ -187,13 +177,13 @@ def _user_program(transform: str, g: Callable[..., Any]) -> Callable[..., Any]:
 # Each example compiles a dozen programs: two per transform and remainder. The
 # case is drawn from the seed, so that even the first (seed 0) is a random one.
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))
-@pytest.mark.parametrize("transform", _JAX_TRANSFORMATIONS)
+@pytest.mark.parametrize("transform", DERIVATIVES)
 @settings(max_examples=2, phases=(Phase.explicit, Phase.generate))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_every_transform_fits_the_budget(transform, remainder, seed):
     # The memory oracle is the user's own program, compiled with every value
     # they would vary (parameters, batch, cotangent, tangent) as an argument.
-    combo = (_JAX_TRANSFORMATIONS.index(transform), remainder == "separate")
+    combo = (DERIVATIVES.index(transform), remainder == "separate")
     rng = np.random.default_rng([seed, *combo])
     batch_size, width = int(rng.integers(2, 25)), int(rng.integers(8, 17))
     where = float(rng.uniform())

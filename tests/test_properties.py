@@ -13,6 +13,7 @@ from hypothesis import given, settings
 import filtered_chunk as fc
 
 from .helpers import tree_allclose
+from .transforms import DERIVATIVES
 
 
 class _Case(NamedTuple):
@@ -136,18 +137,6 @@ def test_numpy_leaves_under_jit(case, data):
     assert tree_allclose(actual, _oracle(case)(case.tree))
 
 
-_DERIVATIVES = (
-    "grad",
-    "value_and_grad",
-    "vjp",
-    "jvp",
-    "linearize",
-    "jacrev",
-    "jacfwd",
-    "hessian",
-)
-
-
 def _derivative(mode: str, h: Any, leaves: Any, tangents: Any) -> Any:
     """`mode` of `h` (leaves -> arrays) at `leaves`, with `tangents` as the tangents
     and the cotangents where a mode takes them."""
@@ -169,7 +158,7 @@ def _derivative(mode: str, h: Any, leaves: Any, tangents: Any) -> Any:
     return getattr(jax, mode)(h)(leaves)
 
 
-@pytest.mark.parametrize("mode", _DERIVATIVES)
+@pytest.mark.parametrize("mode", DERIVATIVES)
 @settings(max_examples=3)  # per mode: each example compiles several programs
 @given(_cases(), st.booleans())
 def test_numpy_leaves_through_every_derivative(mode, case, jit):
@@ -220,13 +209,13 @@ _OTHER_TRANSFORMS = {
 }
 
 
-@pytest.mark.parametrize("mode", _DERIVATIVES)
+@pytest.mark.parametrize("mode", DERIVATIVES)
 @pytest.mark.parametrize("name", sorted(_OTHER_TRANSFORMS))
 def test_numpy_leaves_through_every_derivative_of_every_transform(name, mode):
     # As above, for the transforms other than the chunked vmap: NumPy inputs
     # (mapped and unmapped) reach each derivative rule type-checked. Every pair
     # runs (a draw would skip some), at a batch of 5 in chunks of 2: a remainder.
-    rng = np.random.default_rng(_DERIVATIVES.index(mode))
+    rng = np.random.default_rng(DERIVATIVES.index(mode))
     leaves = (
         rng.standard_normal((5, 2)).astype(np.float32),
         rng.standard_normal(2).astype(np.float32),

@@ -99,3 +99,17 @@ TRANSFORMS: dict[str, Transform] = {
     )
 }
 JACOBIANS = {name: t for name, t in TRANSFORMS.items() if "jac" in name}
+
+
+# The JAX transformations a chunked call is differentiated under, in the tests
+# that run every one of them (their order seeds the random cases).
+DERIVATIVES = (
+    "grad",
+    "value_and_grad",
+    "vjp",
+    "jvp",
+    "linearize",
+    "jacrev",
+    "jacfwd",
+    "hessian",
+)
