@@ -271,10 +271,10 @@ def _weak(x: InputArray) -> bool:
 
 def _fork_tree(
     tangents: PyTree[InputArray | None], shapes: list[tuple[int, ...]]
-) -> tuple[PyTree[Array | None], ...]:
+) -> tuple[PyTree[InputArray | None], ...]:
     """`fork` of every tangent: the tangents, then a tree of probes per shape."""
     leaves, treedef = jtu.tree_flatten(tangents, is_leaf=is_none)
-    columns: list[list[Array | None]] = [[] for _ in range(1 + len(shapes))]
+    columns: list[list[InputArray | None]] = [[] for _ in range(1 + len(shapes))]
     for t in leaves:
         t, probes = (None, [None] * len(shapes)) if t is None else fork(t, shapes)
         for column, x in zip(columns, [t, *probes], strict=True):
@@ -283,8 +283,8 @@ def _fork_tree(
 
 
 def _join_tree(
-    tangents: PyTree[Array | None], probes: PyTree[Array | None]
-) -> PyTree[Array | None]:
+    tangents: PyTree[InputArray | None], probes: PyTree[InputArray | None]
+) -> PyTree[InputArray | None]:
     return jtu.tree_map(
         lambda t, p: None if t is None else join(t, p),
         tangents,
@@ -293,15 +293,15 @@ def _join_tree(
     )
 
 
-def _fork_output(t: tuple[Array, Array]) -> tuple[Array, Array]:
+def _fork_output(t: tuple[InputArray, InputArray]) -> tuple[InputArray, InputArray]:
     """One tangent (from its two copies) and a probe."""
     out, (probe,) = fork(t, [(0,)])
     return out, probe
 
 
 def _fork_outputs(
-    t_out: list[tuple[Array, Array] | None],
-) -> tuple[list[Array | None], list[Array | None]]:
+    t_out: list[tuple[InputArray, InputArray] | None],
+) -> tuple[list[InputArray | None], list[InputArray | None]]:
     forked = [(None, None) if t is None else _fork_output(t) for t in t_out]
     return [t for t, _ in forked], [probe for _, probe in forked]
 
@@ -338,7 +338,7 @@ def _unbatched_tangents(
     step: Callable[..., Any],
     fn: ArraysFn,
     inputs: PyTree[InputArray],
-    t_first: tuple[Any, PyTree[Array | None]],
+    t_first: tuple[Any, PyTree[InputArray | None]],
     unbatched: PyTree[Array],
     loop: _Loop,
 ) -> PyTree[InputArray | None]:
