@@ -22,6 +22,11 @@ step. Tangents of the arrays the chunk function closes over (parameters) stay sc
 constants, so their cotangents are summed in the reverse scan's carry rather than
 stacked per chunk. To be a custom rule's argument, those arrays are hoisted out of
 the chunk function with `eqx.filter_closure_convert`.
+
+A cotangent through the loop has the weak type that the chunk function's transpose
+gives it, as under `jax.vmap`, not one that the loop's slices, sums or checkpoint
+impose: each tangent passes `_weak_types.fork`/`join` where it enters and leaves
+the loop (`tests/test_derivatives.py::test_weak_types_of_derivatives_match_jax`).
 """
 
 import functools as ft
@@ -36,15 +41,15 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from ._custom_types import CheckpointSpec, InputArray, is_none
-from ._jax_compat import with_weak_type
 from ._reporting import report_step, Reporter
+from ._weak_types import fork, join, strong_and_weak
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
 WriteFn = Callable[[list[Array], list[Array], Int[Array, ""]], list[Array]]
 
 
-def _inexact(x: Array) -> bool:
+def _inexact(x: InputArray) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
@@ -154,7 +159,8 @@ def _jvp_step(
     t_chunk: PyTree[Array | None],
     loop: _Loop,
 ) -> tuple[Any, Any]:
-    """One chunk's outputs and their tangents (`None` where the tangent is zero)."""
+    """One chunk's outputs and their tangents (`None` where the tangent is zero),
+    each a strongly and a weakly typed copy (`strong_and_weak`)."""
     primals, tangents = (fn, loop.slice(inputs, start)), (t_fn, t_chunk)
     has_tangent = jtu.tree_map(lambda t: t is not None, tangents, is_leaf=is_none)
     diff, nondiff = eqx.partition(primals, has_tangent)
@@ -165,7 +171,10 @@ def _jvp_step(
         return _as_arrays(_fn(_chunk))
 
     out, t_out = jax.jvp(_call, (diff,), (t_diff,))
-    t_out = jtu.tree_map(lambda x, t: t if _inexact(x) else None, out, t_out)
+    # Two copies of each tangent, for the weak type of its cotangent (`fork`).
+    t_out = jtu.tree_map(
+        lambda x, t: strong_and_weak(t) if _inexact(x) else None, out, t_out
+    )
     return out, t_out
 
 
@@ -211,49 +220,90 @@ def _run_jvp(
     t_fn, t_inputs, t_buffers, _ = tangents
     # The buffers start as zeros made by `run_in_chunks`: never perturbed.
     assert all(t is None for t in t_buffers)
+    # Each tangent reaches the steps and the first step again (for the unbatched
+    # outputs): its cotangent keeps the weak type they give it (`_weak_types.py`).
+    (t_fn, t_inputs), steps_probes, first_probes = _fork_tree(
+        (t_fn, t_inputs), [(loop.num_steps, 0), (0,)]
+    )
     t_chunks = jtu.tree_map(
-        lambda axis, t: None if t is None else loop.split(_strong(t), axis),
+        lambda axis, t: None if t is None else loop.split(t, axis),
         loop.in_axes,
         t_inputs,
         is_leaf=is_none,
     )
     step = checkpointed(_jvp_step, loop.checkpoint)
 
-    def _body(carry: tuple[Any, Any], xs: tuple[Any, Any]) -> tuple[Any, Any]:
+    def _body(carry: tuple[Any, Any], xs: tuple[Any, Any, Any]) -> tuple[Any, Any]:
         _buffers, _ = carry
-        start, _t_chunk = xs
+        start, _t_chunk, _probes = xs
+        _t_fn, _t_chunk = _join_tree((t_fn, _t_chunk), _probes)
         (_chunk, _unbatched), (_t_out, _) = step(
-            fn, t_fn, inputs, start, _t_chunk, loop
+            fn, _t_fn, inputs, start, _t_chunk, loop
         )
         carry = (loop.write(_buffers, _chunk, start), _unbatched)
         # Its operands are primal values: reverse mode reports in the forward pass.
         report_step(loop.reporter, start, loop.chunk_size, carry)
-        return carry, _t_out
+        return carry, _fork_outputs(_t_out)
 
-    (buffers, unbatched), t_stacks = lax.scan(
-        _body, (buffers, unbatched), (loop.starts(), t_chunks)
+    (buffers, unbatched), (t_stacks, out_probes) = lax.scan(
+        _body, (buffers, unbatched), (loop.starts(), t_chunks, steps_probes)
     )
     t_buffers = [
-        None if t is None else _typed_like(loop.merge(t, axis), b)
-        for t, b, axis in zip(t_stacks, buffers, loop.axes, strict=True)
+        None if t is None else join(loop.merge(t, axis), probe, _weak(b))
+        for t, probe, b, axis in zip(
+            t_stacks, out_probes, buffers, loop.axes, strict=True
+        )
     ]
-    t_unbatched = _unbatched_tangents(step, fn, t_fn, inputs, t_chunks, unbatched, loop)
+    t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
+    t_first = _join_tree((t_fn, t_first), first_probes)
+    t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
     t_unbatched = jtu.tree_map(
-        lambda t, u: None if t is None else _typed_like(t, u),
-        t_unbatched,
+        lambda u, t: None if t is None else join(*_fork_output(t), _weak(u)),
         unbatched,
-        is_leaf=is_none,
+        t_unbatched,
     )
     return (buffers, unbatched), (t_buffers, t_unbatched)
 
 
-def _strong(t: InputArray) -> InputArray:
-    """`t` with a strong type. Transposing `_Loop.split` (slices) gives a strongly
-    typed cotangent; converting first makes the transpose convert it back, so that
-    a gradient w.r.t. a weakly typed input is weak, as under `jax.vmap`."""
-    if not jax.typeof(t).weak_type:
-        return t
-    return lax.convert_element_type(t, jax.typeof(t).dtype)
+def _weak(x: InputArray) -> bool:
+    return bool(jax.typeof(x).weak_type)
+
+
+def _fork_tree(
+    tangents: PyTree[InputArray | None], shapes: list[tuple[int, ...]]
+) -> tuple[PyTree[InputArray | None], ...]:
+    """`fork` of every tangent: the tangents, then a tree of probes per shape."""
+    leaves, treedef = jtu.tree_flatten(tangents, is_leaf=is_none)
+    columns: list[list[InputArray | None]] = [[] for _ in range(1 + len(shapes))]
+    for t in leaves:
+        t, probes = (None, [None] * len(shapes)) if t is None else fork(t, shapes)
+        for column, x in zip(columns, [t, *probes], strict=True):
+            column.append(x)
+    return tuple(jtu.tree_unflatten(treedef, column) for column in columns)
+
+
+def _join_tree(
+    tangents: PyTree[InputArray | None], probes: PyTree[InputArray | None]
+) -> PyTree[InputArray | None]:
+    return jtu.tree_map(
+        lambda t, p: None if t is None else join(t, p),
+        tangents,
+        probes,
+        is_leaf=is_none,
+    )
+
+
+def _fork_output(t: tuple[InputArray, InputArray]) -> tuple[InputArray, InputArray]:
+    """One tangent (from its two copies) and a probe."""
+    out, (probe,) = fork(t, [(0,)])
+    return out, probe
+
+
+def _fork_outputs(
+    t_out: list[tuple[InputArray, InputArray] | None],
+) -> tuple[list[InputArray | None], list[InputArray | None]]:
+    forked = [(None, None) if t is None else _fork_output(t) for t in t_out]
+    return [t for t, _ in forked], [probe for _, probe in forked]
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
@@ -270,31 +320,25 @@ def _slice_rest_jvp(
     tangents: tuple[InputArray],
 ) -> tuple[Array, Array]:
     (x,), (t,) = primals, tangents
-    return _slice_rest(x, start, size, axis), _slice_rest(_strong(t), start, size, axis)
+    t, (probe,) = fork(t, [(0,)])
+    rest = join(_slice_rest(t, start, size, axis), probe)
+    return _slice_rest(x, start, size, axis), rest
 
 
 def slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
-    """`size` elements of `x` from `start` along `axis`, whose cotangent keeps a
-    weak type (see `_strong`): the remainder that `remainder="separate"` slices
-    off before its own loop."""
-    if isinstance(x, jax.Array) and jax.typeof(x).weak_type and _inexact(x):
+    """`size` elements of `x` from `start` along `axis`, whose cotangent has the
+    weak type of the remainder's (`_weak_types.py`): the remainder that
+    `remainder="separate"` slices off before its own loop."""
+    if _inexact(x):
         return _slice_rest(x, start, size, axis)
     return lax.slice_in_dim(x, start, start + size, axis=axis)
-
-
-def _typed_like(t: InputArray, primal: InputArray) -> InputArray:
-    """`t` with the weak type of `primal`, as JAX gives a tangent."""
-    if jax.typeof(t).weak_type == jax.typeof(primal).weak_type:
-        return t
-    return with_weak_type(t, jax.typeof(primal).weak_type)
 
 
 def _unbatched_tangents(
     step: Callable[..., Any],
     fn: ArraysFn,
-    t_fn: Any,
     inputs: PyTree[InputArray],
-    t_chunks: PyTree[Array | None],
+    t_first: tuple[Any, PyTree[InputArray | None]],
     unbatched: PyTree[Array],
     loop: _Loop,
 ) -> PyTree[InputArray | None]:
@@ -309,8 +353,8 @@ def _unbatched_tangents(
     """
     if not any(_inexact(u) for u in jtu.tree_leaves(unbatched)):
         return jtu.tree_map(lambda _: None, unbatched)
-    t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
-    _, (_, t_unbatched) = step(fn, t_fn, inputs, jnp.array(0), t_first, loop)
+    t_fn, t_chunk = t_first
+    _, (_, t_unbatched) = step(fn, t_fn, inputs, jnp.array(0), t_chunk, loop)
     return t_unbatched
 
 

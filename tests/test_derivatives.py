@@ -304,42 +304,57 @@ def _weak_types(tree: Any) -> list[bool]:
     return [jax.typeof(t).weak_type for t in jtu.tree_leaves(tree)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14 item 5, open: the loop's own linear steps (the split of "
-    "mapped tangents, the scan's sum of unmapped cotangents) decide a cotangent's "
-    "weak type, where JAX takes it from the chunk function's transpose",
+def _derivatives(g: Any, p: Any, x: Any) -> tuple[Any, ...]:
+    """`grad`, `vjp` with a strong cotangent, `jvp`, of `g(p, x)` (summed)."""
+    out, pullback = jax.vjp(g, p, x)
+    strong = jtu.tree_map(lambda o: jnp.ones(o.shape, o.dtype), out)
+    loss = lambda p, x: sum(jnp.sum(o) for o in jtu.tree_leaves(g(p, x)))
+    return (
+        jax.grad(loss, (0, 1))(p, x),
+        pullback(strong),
+        jax.jvp(g, (p, x), (p, x))[1],
+    )
+
+
+@pytest.mark.parametrize(
+    "remainder, checkpoint, batch_size",
+    (
+        ("overlap", True, 2 * CHUNK + 1),
+        ("separate", True, 2 * CHUNK + 1),
+        ("overlap", False, 2 * CHUNK + 1),
+        ("separate", True, CHUNK + 1),
+        ("overlap", True, 2 * CHUNK),
+    ),
 )
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
-def test_weak_types_of_derivatives_match_jax(remainder):
-    # The whole grid: weak or strong, mapped `x` or unmapped `p`, grad, vjp with
-    # a strong cotangent, and jvp, against `eqx.filter_vmap`.
+def test_weak_types_of_derivatives_match_jax(remainder, checkpoint, batch_size):
+    # Issue 14 item 5. The whole grid: weak or strong, mapped `x` or unmapped `p`,
+    # grad, vjp with a strong cotangent, and jvp, against `eqx.filter_vmap`. JAX
+    # types a cotangent as the chunk function's transpose does, not like its
+    # primal; the loop's slices, its sum over steps and its checkpoint must not
+    # change that.
     funs = (
-        lambda p, x: jnp.tanh(x @ jnp.diag(p)),  # a transpose that keeps no weak type
-        lambda p, x: p * x,  # one that keeps its operand's
+        (lambda p, x: jnp.tanh(x @ jnp.diag(p)), 0),  # a transpose with no weak type
+        (lambda p, x: p * x, 0),  # one that keeps its operand's
+        (lambda p, x: (p * x, jnp.sin(p) * 2.0), (0, None)),  # and an unbatched output
     )
     full = lambda weak, shape: (
         lax.broadcast(jnp.asarray(0.7), shape) if weak else jnp.full(shape, 0.7, float)
     )
     wrong = []
-    for f, p_weak, x_weak in itertools.product(funs, (False, True), (False, True)):
-        p, x = full(p_weak, (3,)), full(x_weak, (2 * CHUNK + 1, 3))
-        results = []
-        for g in (
-            eqx.filter_vmap(f, in_axes=(None, 0)),
-            fc.filter_chunked_vmap(
-                f, in_axes=(None, 0), chunk_size=CHUNK, remainder=remainder
-            ),
-        ):
-            out, pullback = jax.vjp(g, p, x)
-            results.append(
-                (
-                    jax.grad(lambda p, x: jnp.sum(g(p, x)), (0, 1))(p, x),
-                    pullback(jnp.ones(out.shape, out.dtype)),
-                    jax.jvp(g, (p, x), (p, x))[1],
-                )
-            )
-        expected, actual = results
+    for (f, out_axes), p_weak, x_weak in itertools.product(
+        funs, (False, True), (False, True)
+    ):
+        p, x = full(p_weak, (3,)), full(x_weak, (batch_size, 3))
+        chunked = fc.filter_chunked_vmap(
+            f,
+            in_axes=(None, 0),
+            out_axes=out_axes,
+            chunk_size=CHUNK,
+            remainder=remainder,
+            checkpoint=checkpoint,
+        )
+        oracle = eqx.filter_vmap(f, in_axes=(None, 0), out_axes=out_axes)
+        expected, actual = _derivatives(oracle, p, x), _derivatives(chunked, p, x)
         assert tree_allclose(actual, expected)  # the values are right
         if _weak_types(actual) != _weak_types(expected):
             wrong.append((f, p_weak, x_weak, _weak_types(actual)))
@@ -379,3 +394,24 @@ def test_custom_vjp_backward_not_linear_in_the_cotangent(remainder):
     expected = jax.grad(loss(jax.vmap))(xs)
     chunked = lambda g: fc.filter_chunked_vmap(g, chunk_size=3, remainder=remainder)
     assert tree_allclose(jax.grad(loss(chunked))(xs), expected)
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_gradient_for_a_weakly_typed_parameter_is_strong(remainder):
+    # Issue 14 item 5's examples: `x @ p` transposes to a strong cotangent for a
+    # weakly typed unmapped `p`, as unchunked.
+    p, x = jnp.full((3, 2), 0.5), jnp.ones((10, 3))
+    assert jax.typeof(p).weak_type
+    f = lambda p, x: jnp.tanh(x @ p)
+    chunked = (
+        fc.filter_chunked_apply(
+            f, in_axes=(None, 0), chunk_size=4, remainder=remainder
+        ),
+        fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=3, remainder=remainder),
+    )
+    for g, oracle in zip(chunked, (f, eqx.filter_vmap(f, in_axes=(None, 0)))):
+        grad = jax.grad(lambda p: jnp.sum(g(p, x)))(p)
+        expected = jax.grad(lambda p: jnp.sum(oracle(p, x)))(p)
+        assert tree_allclose(grad, expected)
+        assert not jax.typeof(expected).weak_type
+        assert not jax.typeof(grad).weak_type

@@ -246,9 +246,12 @@ def test_eager_calls_leak_no_tracer(builder):
             assert tree_allclose(chunked(x), expected)
             out, static = fc.filter_chunked_vmap(f, chunk_size=3)(x)
             assert static == "static"
-        jax.jvp(chunked, (x,), (x,))
-        jax.vmap(chunked)(jnp.stack([x, x + 1.0]))
-        jax.jit(chunked)(x)
+        # Traced calls share one path (`_wrapper.py`); under `checking_leaks`
+        # every operation compiles, so two plans are enough to cover it.
+        if builder in (_LEAK_BUILDERS[0], fc.chunked_jacrev):
+            jax.jvp(chunked, (x,), (x,))
+            jax.vmap(chunked)(jnp.stack([x, x + 1.0]))
+            jax.jit(chunked)(x)
 
 
 def test_evicted_programs_are_freed(monkeypatch):
