@@ -14,6 +14,9 @@ program), `filter_chunked_vmap(..., chunk_size=fc.MemoryBudget(budget))`:
 - time: the steady-state time at the chosen size against the fastest fixed chunk
   size (powers of two and the workload's chunk sizes) that also fits, timed
   interleaved (target: within 1.10x);
+- time against the largest size that fits (what a budget chose before the speed
+  model of `filtered_chunk/_chunk_model.py`) and, at 1x, against `jax.vmap`
+  itself, timed in the same rounds;
 - search cost: the first call of the jitted program with an empty cache (the
   search, the program's compilation and the run), and a repeat with a fresh
   `jax.jit` (the search is cached: only the outer program compiles); the search's
@@ -24,7 +27,10 @@ budget applies to the differentiated chunked call. Two more workloads check the
 budget under other transformations: (f) `jax.grad` of a non-linear loss of the
 MLP's outputs (its cotangent depends on the outputs, so XLA cannot fold it as it
 could a sum's), and (g) `jax.jvp` of the pairwise kernel w.r.t. the queries, a
-tangent given as an argument (forward mode: primal and tangent outputs).
+tangent given as an argument (forward mode: primal and tangent outputs). And two
+whose shape the others lack: (h) softmax attention of each query over a long
+sequence, and (i) a per-sample Monte Carlo estimate, a reduction over fixed draws
+inside the mapped function.
 """
 
 import argparse
@@ -45,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _measure import compile_fn, CompileCounter, MIB
-from _workloads import Workload, workloads
+from _workloads import Sizes, Workload, workloads
 
 import filtered_chunk as fc
 import filtered_chunk._chunk_search as search_module
@@ -102,7 +108,60 @@ def budget_workloads(quick: bool) -> list[Workload]:
         make_args=_with_tangent,
         objective="jvp",
     )
-    return [*base, loss, jvp]
+    return [*base, loss, jvp, _attention(quick), _monte_carlo(quick)]
+
+
+def _attention(quick: bool) -> Workload:
+    """(h) One query's softmax attention over a long sequence of keys/values."""
+    length, dim, n = (1024, 32, 512) if quick else (8192, 64, 2048)
+    keys = jnp.asarray(np.random.default_rng(11).standard_normal((length, dim)))
+    values = jnp.asarray(np.random.default_rng(12).standard_normal((length, dim)))
+
+    def element(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        return jax.nn.softmax(k @ q / math.sqrt(dim)) @ v
+
+    def make_args(m: int) -> tuple[Any, ...]:
+        q = np.random.default_rng(13).standard_normal((m, dim), np.float32)
+        return jnp.asarray(q), keys.astype(jnp.float32), values.astype(jnp.float32)
+
+    chunks = (16, 64, 100) if quick else (16, 64, 100, 256, 1000)
+    return Workload(
+        "h",
+        "attention, long sequence",
+        f"softmax attention of each of N queries ({dim}-dim) over {length} keys "
+        "and values.",
+        element,
+        (0, None, None),
+        make_args,
+        Sizes(n, chunks, n // 4, n // 16),
+    )
+
+
+def _monte_carlo(quick: bool) -> Workload:
+    """(i) A per-sample Monte Carlo estimate: a mean over draws inside `fun`."""
+    draws, dim, n = (256, 16, 512) if quick else (2048, 32, 2048)
+    noise = np.random.default_rng(14).standard_normal((draws, dim), np.float32)
+
+    def element(theta: jax.Array, eps: jax.Array) -> jax.Array:
+        x = theta + 0.1 * eps  # (draws, dim)
+        value = jnp.sin(x @ theta) * jnp.exp(-0.5 * jnp.sum(x**2, axis=-1) / dim)
+        return jnp.stack([jnp.mean(value), jnp.std(value)])
+
+    def make_args(m: int) -> tuple[Any, ...]:
+        theta = np.random.default_rng(15).standard_normal((m, dim), np.float32)
+        return jnp.asarray(theta), jnp.asarray(noise)
+
+    chunks = (16, 64, 100) if quick else (16, 64, 100, 256, 1000)
+    return Workload(
+        "i",
+        "Monte Carlo estimator",
+        f"per-sample mean and spread of a function over {draws} fixed normal "
+        f"draws ({dim}-dim), a reduction inside `fun`.",
+        element,
+        (0, None),
+        make_args,
+        Sizes(n, chunks, n // 4, n // 16),
+    )
 
 
 def _clear_cache() -> None:
@@ -194,6 +253,12 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
         at_k = compile_fn(program(w, k), *args)
         fits = {s: c for s, c in fixed.items() if c.temp_plus_output <= budget}
         calls = {"chosen": lambda: at_k.executable(*args)}
+        largest = choice.largest
+        if largest != k:  # what a budget chose before the speed model
+            at_largest = compile_fn(program(w, largest), *args).executable
+            calls["largest"] = lambda: at_largest(*args)
+        if fraction == 1:
+            calls["vmap"] = lambda: vmap.executable(*args)
         times = {}
         if fits:
             # The fastest fitting fixed size, then timed against the choice.
@@ -212,6 +277,10 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
         else:
             times = _interleaved(calls, repeats)
         row |= {"chunk_size": k, "choice_bytes": choice.bytes, "tried": choice.tried}
+        row |= {"largest": largest, "model": choice.model}
+        row |= {"element_bytes": choice.element_bytes}
+        row["vs_largest"] = times["chosen"] / times.get("largest", times["chosen"])
+        row["vs_vmap"] = times["chosen"] / times["vmap"] if "vmap" in times else None
         row |= {
             "bytes": at_k.temp_plus_output,
             "within_budget": at_k.temp_plus_output <= budget,
@@ -222,7 +291,8 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
         row |= cost
         rows.append(row)
         log(
-            f"({w.key}) {fraction:g}x vmap = {budget / MIB:.2f} MiB: K={k}, "
+            f"({w.key}) {fraction:g}x vmap = {budget / MIB:.2f} MiB: K={k} "
+            f"(largest {largest}, {row['vs_largest']:.2f}x its time), "
             f"{row['bytes'] / MIB:.2f} MiB, {row['ratio'] or math.nan:.2f}x the "
             f"fastest fitting fixed K={row.get('fastest_fixed')}, search "
             f"{cost['search_compiles']} compiles {cost['search_compile_s']:.2f} s"
@@ -235,10 +305,10 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['date']}; {meta['machine']}; "
         f"{meta['runtime_s']:.0f} s).",
         "",
-        "| workload | N | budget (x vmap) | chosen K | memory / budget | time vs "
-        "fastest fitting K | search: compiles, s | first call s (compiles) | "
-        "repeat s (compiles) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | N | budget (x vmap) | chosen K (largest fitting) | memory / "
+        "budget | time vs fastest fitting K | time vs largest | time vs vmap | "
+        "search: compiles, s | first call s (compiles) | repeat s (compiles) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| ({r['workload']}) {r['title']} | {r['batch_size']} | "
@@ -246,7 +316,7 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         if "error" in r:
             needs = r["error"]
             needs = f"{needs / MIB:.2f} MiB" if isinstance(needs, int) else needs
-            lines.append(head + f"none fits: one element needs {needs} | | | | | |")
+            lines.append(head + f"none fits: one element needs {needs} | | | | | | | |")
             continue
         ratio = (
             "n/a"
@@ -254,7 +324,10 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
             else f"{r['ratio']:.2f}x (K={r['fastest_fixed']})"
         )
         lines.append(
-            head + f"{r['chunk_size']} | {r['bytes'] / r['budget']:.2f} | {ratio} | "
+            head + f"{r['chunk_size']} ({r['largest']}) | "
+            f"{r['bytes'] / r['budget']:.2f} | {ratio} | {r['vs_largest']:.2f}x | "
+            + ("n/a" if r["vs_vmap"] is None else f"{r['vs_vmap']:.2f}x")
+            + " | "
             f"{r['search_compiles']}, {r['search_compile_s']:.2f} | "
             f"{r['first_call_s']:.2f} ({r['first_call_compiles']}) | "
             f"{r['repeat_call_s']:.2f} ({r['repeat_call_compiles']}) |"
@@ -314,11 +387,13 @@ def main() -> int:
     log(f"Table and JSON written to {out}")
     ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
     missed = [r for r in rows if r.get("ratio") is not None and r["ratio"] > TARGET]
+    over_vmap = [r for r in rows if (r.get("vs_vmap") or 0) > 1]
     log(
         f"Time at the chosen size / fastest fitting fixed size: worst "
         f"{max(ratios, default=math.nan):.2f}x, median "
         f"{statistics.median(ratios) if ratios else math.nan:.2f}x; "
-        f"{len(missed)} of {len(ratios)} over the {TARGET}x target."
+        f"{len(missed)} of {len(ratios)} over the {TARGET}x target; "
+        f"{len(over_vmap)} slower than jax.vmap at 1x."
     )
     bad = failures(rows)
     for line in bad:

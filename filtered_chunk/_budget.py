@@ -71,7 +71,8 @@ def _fraction_hint(text: str) -> str:
 
 class MemoryBudget(eqx.Module):
     """A memory budget for a chunked call: give it as `chunk_size` to any chunked
-    transform, and the largest chunk size whose compiled program fits is chosen.
+    transform, and a chunk size whose compiled program fits is chosen: the
+    largest, or on CPU a smaller one whose working set stays in cache.
 
     The budget bounds what the chunked call allocates beyond its arguments: XLA's
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
@@ -219,12 +220,25 @@ def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | Non
 class ChunkSizeChoice(eqx.Module):
     """What [`filtered_chunk.suggest_chunk_size`][] reports.
 
-    - `chunk_size`: the chosen chunk size: the largest measured to fit. It is the
-        batch size (or the number of Jacobian rows/columns) when the whole batch
-        fits, which evaluates it in one `vmap`.
+    - `chunk_size`: the chosen chunk size: measured to fit, and the speed model's
+        choice among the sizes that fit (`model`). It is the batch size (or the
+        number of Jacobian rows/columns) when that is chosen, which evaluates the
+        whole batch in one `vmap`.
     - `bytes`: XLA's temporary plus output bytes of the program at that size.
     - `budget`: the budget in bytes.
     - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
+    - `largest`: the largest size measured to fit (whose next size up does not).
+    - `model`: `"cache"` on CPU where one element's working set fits the cache:
+        the chunk size is capped so that `chunk_size * element_bytes` stays within
+        twice the level-2 cache (`cache_bytes`), at least 8 elements, and that
+        size runs if it fits as measured (else `largest`); `"largest"` where one
+        element overflows the cache, and always on GPU/TPU (unmeasured there).
+    - `element_bytes`: the model's working set per element: the slope of the
+        bytes over the sizes tried that run two or more steps, or the whole
+        batch's bytes over its size.
+    - `cache_bytes`: the level-2 cache the model read (`None` for `"largest"`).
+    - `working_set`: `(chunk_size, chunk_size * element_bytes)`, the model's
+        figure for every size tried.
 
     !!! example
 
@@ -238,7 +252,9 @@ class ChunkSizeChoice(eqx.Module):
         for chunk_size, num_bytes in choice.tried:
             fits = "fits" if num_bytes <= choice.budget else "too large"
             print(f"chunk_size={chunk_size}: {num_bytes} bytes, {fits}")
+        print(choice.chunk_size, choice.largest, choice.model, choice.working_set)
         assert (choice.chunk_size, choice.bytes) in choice.tried
+        assert choice.chunk_size <= choice.largest
         ```
     """
 
@@ -246,3 +262,8 @@ class ChunkSizeChoice(eqx.Module):
     bytes: int
     budget: int
     tried: tuple[tuple[int, int], ...]
+    largest: int
+    model: Literal["cache", "largest"]
+    element_bytes: int
+    cache_bytes: int | None
+    working_set: tuple[tuple[int, int], ...]

@@ -13,11 +13,13 @@ the whole batch first (if it fits, nothing is chunked), then one element per
 chunk (if that does not fit, nothing does), then each range from the largest
 down: its ends, and if only its smallest size fits, sizes in between guessed by
 secant interpolation, each guess checked together with its neighbour
-(bisecting when the guesses keep missing on one side). The answer is a measured
-size that fits whose next size up measurably does not, after at most
-`MAX_COMPILATIONS` sizes. Measurements and choices are cached on the traced
-program (as `_eager.py` keys compiled programs), so a repeated call compiles
-nothing for the search.
+(bisecting when the guesses keep missing on one side). That finds the largest
+size measured to fit whose next size up measurably does not; the speed model
+(`_chunk_model.py`) may then cap it at a smaller size, which runs only if it too
+is measured to fit, all within `MAX_COMPILATIONS` sizes. Measurements are cached
+on the traced program (as `_eager.py` keys compiled programs), choices on that
+and the machine the model reads, so a repeated call compiles nothing for the
+search.
 """
 
 import dataclasses
@@ -30,15 +32,17 @@ import jax.core
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
+from . import _chunk_model
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
 from ._budget_program import has_reverse, Layer, layers_of, transformed
 from ._eager import program_key
 
 
 # A search measures at most this many sizes: the whole batch, one element, the
-# ends of each further segment of sizes (`_segments`), then pairs of guesses.
-# Each size compiles one program; under a reverse-mode transformation, two when
-# the first fits (`choose_chunk_size`).
+# ends of each further segment of sizes (`_segments`), then pairs of guesses, and
+# one more for the speed model's size (`_chunk_model.py`). Each size compiles one
+# program; under a reverse-mode transformation, two when the first fits
+# (`choose_chunk_size`).
 MAX_COMPILATIONS = 12
 
 
@@ -265,6 +269,28 @@ def _search(
     raise AssertionError("one element per chunk fits")  # the last segment's `lo`
 
 
+def _element_bytes(measured: dict[int, int], sizes: _Sizes) -> int:
+    """One element's share of a chunk's working set: the slope of the bytes over
+    the sizes measured that run two or more steps, else (only the whole batch was
+    measured) its bytes over its size."""
+    lo, hi = _segments(sizes)[-1]
+    steps = sorted(k for k in measured if lo <= k <= hi and k < sizes.n)
+    if len(steps) >= 2:
+        a, b = steps[0], steps[-1]
+        return max(-(-(measured[b] - measured[a]) // (b - a)), 0)
+    k = max(measured)
+    return -(-measured[k] // k)
+
+
+def _model_size(sizes: _Sizes, cap: int) -> int:
+    """The size the model runs for a cap on the chunk size: the largest size not
+    above it that runs two or more steps, but not fewer than `MIN_CHUNK` elements
+    (the smallest size from there up, where rounding to a balanced size falls
+    below)."""
+    k = sizes.at_most(min(cap, _segments(sizes)[-1][1]))
+    return k if k >= _chunk_model.MIN_CHUNK else sizes.above(_chunk_model.MIN_CHUNK - 1)
+
+
 def choose_chunk_size(
     run: Callable[[int | None, Any], Any],
     tree: PyTree[Any],
@@ -275,14 +301,16 @@ def choose_chunk_size(
     options: Hashable,
     api: str,
 ) -> ChunkSizeChoice:
-    """The largest chunk size for which `run(chunk_size, tree)` (the chunked call;
-    `None` for the whole batch) fits `budget`, measured by compiling it as the
-    transformations around it run it."""
+    """The chunk size to run `run(chunk_size, tree)` at (the chunked call; `None`
+    for the whole batch): the largest that fits `budget`, measured by compiling it
+    as the transformations around it run it, capped by the speed model
+    (`_chunk_model.py`) at a smaller size that also fits as measured."""
     program = _Program(run, tree)
     limit = budget.resolve()
     base, layers = program.key()
+    machine = (_chunk_model.backend(), _chunk_model.cache_bytes())  # the model reads
     base = None if base is None else (base, batch_size, remainder, options)
-    chosen = _chosen.get((base, limit)) if base is not None else None
+    chosen = _chosen.get((base, limit, machine)) if base is not None else None
     if chosen is not None:
         return chosen
     tried: dict[int, _Measured] = {}
@@ -308,9 +336,27 @@ def choose_chunk_size(
 
     sizes = _Sizes(batch_size, remainder)
     too_small = lambda _: _too_small(api, budget, limit, _measure(1, True))  # noqa: E731
-    k = _search(_measure, sizes, limit, too_small, lambda: len(tried))
+    # One size is kept back for the model's.
+    largest = _search(_measure, sizes, limit, too_small, lambda: len(tried) + 1)
+    element = _element_bytes({s: m.total for s, m in tried.items()}, sizes)
+    cap = _chunk_model.cache_cap(element)
+    k = largest
+    capped = largest if cap is None or cap >= largest else _model_size(sizes, cap)
+    # The model's size, if it fits as measured (else the largest), within the
+    # search's bound on the sizes measured.
+    if capped < largest and (capped in tried or len(tried) < MAX_COMPILATIONS):
+        if _measure(capped).total <= limit:
+            k = capped
     chosen = ChunkSizeChoice(
-        k, tried[k].total, limit, tuple((s, tried[s].total) for s in sorted(tried))
+        k,
+        tried[k].total,
+        limit,
+        tuple((s, tried[s].total) for s in sorted(tried)),
+        largest=largest,
+        model="largest" if cap is None else "cache",
+        element_bytes=element,
+        cache_bytes=machine[1] if cap is not None else None,
+        working_set=tuple((s, s * element) for s in sorted(tried)),
     )
-    _remember(_chosen, None if base is None else (base, limit), chosen)
+    _remember(_chosen, None if base is None else (base, limit, machine), chosen)
     return chosen

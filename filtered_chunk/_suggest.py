@@ -33,9 +33,12 @@ def suggest_chunk_size(
     **Returns:**
 
     A [`filtered_chunk.ChunkSizeChoice`][]: the chosen `chunk_size`, its measured
-    `bytes`, the `budget` in bytes, and the `(chunk_size, bytes)` pairs `tried`.
-    The search is the one a call makes (for the program without differentiation),
-    and shares its cache: the call compiles nothing more to choose.
+    `bytes`, the `budget` in bytes, the `(chunk_size, bytes)` pairs `tried`, and
+    why that size: the `largest` that fits, and the speed `model` that chose
+    among the sizes that fit with its figures (`element_bytes`, `cache_bytes`,
+    `working_set`). The search is the one a call makes (for the program without
+    differentiation), and shares its cache: the call compiles nothing more to
+    choose.
 
     !!! example
 

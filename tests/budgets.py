@@ -1,6 +1,7 @@
 """What the budget tests share: the memory oracle, independent of the library's
 search (`jax.jit` of the public transform at a fixed chunk size, compiled, read with
-`memory_analysis()`), and the check that a choice is the largest that fits."""
+`memory_analysis()`), and the check that a choice fits and is the speed model's
+size (the largest that fits, or on CPU one capped by the cache)."""
 
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 import filtered_chunk as fc
+from filtered_chunk import _chunk_model
+from filtered_chunk._chunk_model import CACHE_FACTOR, MIN_CHUNK
+from filtered_chunk._chunk_search import MAX_COMPILATIONS
 
 
 def memory_analysis(fn: Callable[..., Any], *args: Any) -> Any:
@@ -68,6 +72,43 @@ def next_size_up(batch_size: int, k: int, remainder: str) -> int | None:
     return -(-batch_size // (steps - 1))
 
 
+def sizes_of(batch_size: int, remainder: str) -> list[int]:
+    """Every chunk size that runs differently, ascending: with `"overlap"` the
+    balanced ones, `ceil(batch_size / steps)`; with `"separate"` all."""
+    if remainder == "separate":
+        return list(range(1, batch_size + 1))
+    return sorted({-(-batch_size // steps) for steps in range(1, batch_size + 1)})
+
+
+def model_size(choice: fc.ChunkSizeChoice, batch_size: int, remainder: str) -> int:
+    """The size the speed model runs (before checking that it fits), from the
+    rule the docs state: on CPU (`model == "cache"`), the largest size of two or
+    more steps whose working set `chunk_size * element_bytes` is within
+    `CACHE_FACTOR` times the level-2 cache, or the smallest of at least
+    `MIN_CHUNK` elements where that is fewer; else the largest that fits."""
+    # The machine the model reads (faked by `tests/test_budget_model.py`).
+    backend, cache = _chunk_model.backend(), _chunk_model.cache_bytes()
+    if choice.model == "largest":
+        assert choice.cache_bytes is None
+        # Not on CPU, or one element overflows the cache.
+        assert backend != "cpu" or not (
+            0 < choice.element_bytes <= CACHE_FACTOR * cache
+        )
+        return choice.largest
+    assert choice.model == "cache" and backend == "cpu"
+    assert choice.cache_bytes == cache
+    assert 0 < choice.element_bytes <= CACHE_FACTOR * choice.cache_bytes
+    target = CACHE_FACTOR * choice.cache_bytes
+    if max(target // choice.element_bytes, MIN_CHUNK) >= choice.largest:
+        return choice.largest  # no cap below the largest
+    sizes = sizes_of(batch_size, remainder)
+    two_steps = -(-batch_size // 2) if remainder == "overlap" else batch_size // 2
+    under = [k for k in sizes if k * choice.element_bytes <= target and k <= two_steps]
+    if under and under[-1] >= MIN_CHUNK:
+        return min(under[-1], choice.largest)
+    return min(min(k for k in sizes if k >= MIN_CHUNK), choice.largest)
+
+
 def check_largest(
     bytes_at: Callable[[int | None], int],
     choice: fc.ChunkSizeChoice,
@@ -75,13 +116,27 @@ def check_largest(
     batch_size: int,
     remainder: str = "overlap",
 ) -> None:
-    """The chosen size fits (by the oracle) and the next size up does not."""
-    k = choice.chunk_size
+    """By the oracle: `choice.largest` fits and the next size up does not; the
+    chosen size fits and is the speed model's, or the largest where the model's
+    does not fit (`tests/test_budget_model.py` fakes the cache to cap it)."""
+    k, largest = choice.chunk_size, choice.largest
     assert choice.budget == budget
-    assert bytes_at(k if k < batch_size else None) == choice.bytes <= budget
-    up = next_size_up(batch_size, k, remainder)
+    at = lambda s: bytes_at(s if s < batch_size else None)  # noqa: E731
+    assert at(k) == choice.bytes <= budget
+    assert dict(choice.tried)[largest] == at(largest) <= budget
+    up = next_size_up(batch_size, largest, remainder)
     if up is not None:
-        assert bytes_at(up if up < batch_size else None) > budget
+        assert at(up) > budget
+    model = model_size(choice, batch_size, remainder)
+    if k != model:
+        # The model's size did not fit, or the search had no size left for it.
+        assert k == largest
+        assert at(model) > budget or (
+            model not in dict(choice.tried) and len(choice.tried) == MAX_COMPILATIONS
+        )
+    assert dict(choice.working_set) == {
+        s: s * choice.element_bytes for s, _ in choice.tried
+    }
 
 
 def nonlinear_element(x: Any) -> Any:

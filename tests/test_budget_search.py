@@ -1,7 +1,8 @@
-"""Memory budgets choose the largest chunk size whose compiled program fits: on the
-benchmarks' workloads and random PyTrees, when nothing fits or everything does;
-the search's cache follows the traced program and makes repeated calls compile
-nothing."""
+"""Memory budgets find the largest chunk size whose compiled program fits, and run
+it or the speed model's smaller size that also fits (`test_budget_model.py`): on
+the benchmarks' workloads and random PyTrees, when nothing fits or everything
+does; the search's cache follows the traced program and makes repeated calls
+compile nothing."""
 
 import pathlib
 import sys
@@ -172,10 +173,17 @@ def test_nothing_fits_says_what_the_smallest_chunk_needs(getkey):
 
 def test_whole_batch_when_it_fits(getkey):
     mlp, x = _mlp_case(getkey)
-    whole = compiled_bytes(fc.filter_chunked_vmap(mlp), x)
+    bytes_at = lambda k: compiled_bytes(fc.filter_chunked_vmap(mlp, chunk_size=k), x)  # noqa: E731
+    whole = bytes_at(None)
     chunked = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(whole))
     choice = fc.suggest_chunk_size(chunked, x)
-    assert choice.chunk_size == 40 and choice.tried == ((40, whole),)
+    assert choice.largest == 40 and (40, whole) in choice.tried
+    check_largest(bytes_at, choice, whole, 40)
+    # One compilation; one more only where the cache model caps the size.
+    if choice.chunk_size == 40:
+        assert choice.tried == ((40, whole),)
+    else:
+        assert len(choice.tried) == 2
     assert tree_allclose(chunked(x), jax.vmap(mlp)(x))
 
 
@@ -187,7 +195,9 @@ def test_repeated_calls_compile_nothing_for_the_search(getkey):
     chunked = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(whole // 3))
     with count_compiles() as first:
         choice = fc.suggest_chunk_size(chunked, x)
-    assert 3 <= len(first) <= 8 and len(first) == len(choice.tried)
+    # One more where the speed model caps the size below the largest that fits.
+    capped = choice.chunk_size < choice.largest
+    assert 3 <= len(first) <= 8 + capped and len(first) == len(choice.tried)
     with count_compiles() as again:
         assert fc.suggest_chunk_size(chunked, x) == choice
     assert len(again) == 0
@@ -220,7 +230,8 @@ def test_cache_follows_the_program_not_the_function(getkey):
     first = fc.suggest_chunk_size(chunked, x)
     width[0] = 128
     second = fc.suggest_chunk_size(chunked, x)
-    assert second.chunk_size < first.chunk_size
+    assert second.largest < first.largest
+    assert second.chunk_size <= first.chunk_size
     assert (
         compiled_bytes(fc.filter_chunked_vmap(f, chunk_size=second.chunk_size), x)
         <= 2**18
@@ -251,6 +262,13 @@ def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
         k: compiled_bytes(chunked(k if k < batch_size else None), xs)
         for k in {*sizes, batch_size // 2, batch_size - 1, batch_size}
     }
+
+    def bytes_at(k: int | None) -> int:
+        k = batch_size if k is None else k
+        if k not in measured:
+            measured[k] = compiled_bytes(chunked(k if k < batch_size else None), xs)
+        return measured[k]
+
     budgets = [measured[batch_size] - 1, measured[batch_size // 2] + 1]
     if exhaustive:
         budgets.append((measured[1] + measured[batch_size // 2]) // 2)
@@ -261,4 +279,6 @@ def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
         assert len(compiles) <= len(choice.tried) <= MAX_COMPILATIONS
         assert i or len(compiles) == len(choice.tried)
         largest = max(k for k, b in measured.items() if b <= budget)
-        assert choice.chunk_size == largest and choice.bytes == measured[largest]
+        assert choice.largest == largest
+        assert dict(choice.tried)[largest] == measured[largest]
+        check_largest(bytes_at, choice, budget, batch_size, "separate")
