@@ -56,6 +56,7 @@ def eight_devices(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[st
     """Runs `sharding_cases.py` on 8 CPU devices; each case's failure messages."""
     report = tmp_path_factory.mktemp("sharding") / "report.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    command += ["-n", "0"]  # one process: the cases share its 8 devices
     command += [str(HERE / "sharding_cases.py"), f"--junitxml={report}"]
     try:
         run = subprocess.run(
