@@ -318,7 +318,7 @@ def _slice_rest_jvp(
     axis: int,
     primals: tuple[InputArray],
     tangents: tuple[InputArray],
-) -> tuple[Array, Array]:
+) -> tuple[Array, InputArray]:
     (x,), (t,) = primals, tangents
     t, (probe,) = fork(t, [(0,)])
     rest = join(_slice_rest(t, start, size, axis), probe)

@@ -96,9 +96,9 @@ def model_size(choice: fc.ChunkSizeChoice, batch_size: int, remainder: str) -> i
         )
         return choice.largest
     assert choice.model == "cache" and backend == "cpu"
-    assert choice.cache_bytes == cache
-    assert 0 < choice.element_bytes <= CACHE_FACTOR * choice.cache_bytes
-    target = CACHE_FACTOR * choice.cache_bytes
+    assert choice.cache_bytes == cache and cache is not None
+    assert 0 < choice.element_bytes <= CACHE_FACTOR * cache
+    target = CACHE_FACTOR * cache
     if max(target // choice.element_bytes, MIN_CHUNK) >= choice.largest:
         return choice.largest  # no cap below the largest
     sizes = sizes_of(batch_size, remainder)
