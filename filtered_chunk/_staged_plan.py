@@ -17,7 +17,7 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from ._collectives import axis_names, in_derivatives, public_name, subjaxprs
+from ._collectives import axis_names, in_derivatives, subjaxprs
 from ._staged_program import bind, CUSTOM, Program, varying_outputs
 
 
@@ -164,12 +164,3 @@ def check_custom_rules(program: Program, api: str) -> None:
 
 def _inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
-
-
-def describe(plan: Plan) -> str:
-    """The levels, for messages and docs: `"1: lax.pmax; 2: lax.psum"`."""
-    eqns = plan.program.jaxpr.eqns
-    return "; ".join(
-        f"{s}: " + ", ".join(public_name(eqns[i]) for i in plan.at_level(s))
-        for s in range(1, plan.num_passes + 1)
-    )
