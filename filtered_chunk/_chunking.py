@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from ._collectives import subjaxprs
 from ._custom_types import CheckpointSpec, ChunkFn, ChunkOutput, InputArray
 from ._derivatives import scan_chunks, slice_rest
 from ._jax_compat import varying_axes
@@ -147,6 +148,17 @@ def _convert(
     return fn, shapes[0]
 
 
+def _holds_custom_vjp(value: Any) -> bool:
+    """Whether the jaxprs in `value` call a `jax.custom_vjp` function, whose
+    backward pass (the user's code) need not be linear in the cotangent."""
+    return any(
+        eqn.primitive.name == "custom_vjp_call"
+        or any(_holds_custom_vjp(v) for v in eqn.params.values())
+        for jaxpr in subjaxprs(value)
+        for eqn in jaxpr.eqns
+    )
+
+
 def run_in_chunks(
     chunk_fn: ChunkFn,
     inputs: PyTree[InputArray],
@@ -183,8 +195,15 @@ def run_in_chunks(
     ]
     unbatched = jtu.tree_map(_zeros, shapes.unbatched)
 
+    # The derivative of an overlapping last step gives each copy of a recomputed
+    # row half its cotangent, which only a backward pass linear in the cotangent
+    # sums back exactly: with a `custom_vjp`, it evaluates the leftover apart.
+    rest_fn = None
+    if overlap and _holds_custom_vjp(getattr(fn, "jaxpr", None)):
+        rest_fn, _ = _convert(chunk_fn, inputs, in_axes, leftover)
+
     def _loop(
-        fn: Any, total: int, size: int, steps: int, found: Any, *args: Any
+        fn: Any, total: int, size: int, steps: int, found: Any, *args: Any, rest=None
     ) -> Any:
         # The loop (steps at `i * size`, the last clamped to end at the batch's end)
         # carries a JVP rule that keeps reverse mode linear in the batch, and
@@ -199,11 +218,20 @@ def run_in_chunks(
             checkpoint=checkpoint,
             write=lambda _b, _chunk, start: _write(_b, _chunk, axes, start),
             reporter=found,
+            rest_fn=rest,
         )
 
     state = (buffers, unbatched)
     buffers, unbatched = _loop(
-        fn, batch_size, chunk_size, num_steps, found, inputs, in_axes, *state
+        fn,
+        batch_size,
+        chunk_size,
+        num_steps,
+        found,
+        inputs,
+        in_axes,
+        *state,
+        rest=rest_fn,
     )
     if leftover != 0 and not overlap:
         # The remainder is a loop of one step on its own slice of the batch, so

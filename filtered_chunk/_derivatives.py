@@ -23,12 +23,23 @@ constants, so their cotangents are summed in the reverse scan's carry rather tha
 stacked per chunk. To be a custom rule's argument, those arrays are hoisted out of
 the chunk function with `eqx.filter_closure_convert`.
 
+A row that two steps compute (the overlap of the last step with `remainder=
+"overlap"`) gets half its cotangent on each copy, which is exact for any
+transpose that is linear in the cotangent, as JAX's primitives' are. A
+`jax.custom_vjp` backward pass is the user's code and need not be (gradient
+clipping is not): where the chunk function holds one, `run_in_chunks` passes a
+function at the leftover's size (`rest_fn`) and the derivative evaluates only the
+rows that no whole chunk covers, so that every row is computed once, as under
+`jax.vmap` (`tests/test_derivatives.py`, the tests of a `custom_vjp`). The
+evaluated loop keeps its one overlapping step.
+
 A cotangent through the loop has the weak type that the chunk function's transpose
 gives it, as under `jax.vmap`, not one that the loop's slices, sums or checkpoint
 impose: each tangent passes `_weak_types.fork`/`join` where it enters and leaves
 the loop (`tests/test_derivatives.py::test_weak_types_of_derivatives_match_jax`).
 """
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable
 from typing import Any
@@ -113,9 +124,21 @@ class _Loop(eqx.Module):
         last = lax.slice_in_dim(x, self.batch_size - self.chunk_size, None, axis=axis)
         return jnp.concatenate([stack, last[None]])
 
-    def merge(self, stack: Array, axis: int) -> Array:
-        """Inverse of `split` for output tangents; rows that no step writes (a
-        separate remainder) are zero.
+    def without_overlap(self) -> "_Loop":
+        """The loop of whole chunks alone."""
+        return dataclasses.replace(self, num_steps=self.num_whole)
+
+    def leftover(self) -> "_Loop":
+        """The one step over the rows that no whole chunk covers."""
+        covered = self.num_whole * self.chunk_size
+        return dataclasses.replace(
+            self, chunk_size=self.batch_size - covered, num_steps=1
+        )
+
+    def merge(self, stack: Array, axis: int, rest: InputArray | None = None) -> Array:
+        """Inverse of `split` for output tangents; rows that no step writes are
+        `rest` (the leftover's rows, evaluated apart) or zero (a separate
+        remainder).
 
         A row that two steps compute (the overlap of the last step) is the mean
         of its two copies. Both are the same computation on the same values, so
@@ -139,9 +162,11 @@ class _Loop(eqx.Module):
             parts.append(lax.slice_in_dim(last, overlap, None, axis=axis))
             covered = self.batch_size
         if covered < self.batch_size:
-            rest = list(rows.shape)
-            rest[axis] = self.batch_size - covered
-            parts.append(jnp.zeros(rest, stack.dtype))
+            if rest is None:
+                shape = list(rows.shape)
+                shape[axis] = self.batch_size - covered
+                rest = jnp.zeros(shape, stack.dtype)
+            parts.append(jnp.asarray(rest))
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis)
 
 
@@ -184,9 +209,11 @@ def _run(
     inputs: PyTree[InputArray],
     buffers: list[Array],
     unbatched: PyTree[Array],
+    rest_fn: ArraysFn | None,
     *,
     loop: _Loop,
 ) -> tuple[list[Array], PyTree[Array]]:
+    del rest_fn  # only for the derivative (`_run_jvp`)
     # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
     # goes through `_run_jvp`, which checkpoints), and a `checkpoint` in a program
     # that is never differentiated only gets in other transformations' way
@@ -216,17 +243,23 @@ def _run(
 def _run_jvp(
     primals: tuple[Any, ...], tangents: tuple[Any, ...], *, loop: _Loop
 ) -> tuple[Any, Any]:
-    fn, inputs, buffers, unbatched = primals
-    t_fn, t_inputs, t_buffers, _ = tangents
+    fn, inputs, buffers, unbatched, rest_fn = primals
+    t_fn, t_inputs, t_buffers, _, t_rest_fn = tangents
     # The buffers start as zeros made by `run_in_chunks`: never perturbed.
     assert all(t is None for t in t_buffers)
-    # Each tangent reaches the steps and the first step again (for the unbatched
-    # outputs): its cotangent keeps the weak type they give it (`_weak_types.py`).
-    (t_fn, t_inputs), steps_probes, first_probes = _fork_tree(
-        (t_fn, t_inputs), [(loop.num_steps, 0), (0,)]
+    # With a function at the leftover's size, the whole chunks are scanned and the
+    # leftover is evaluated on its own: no row is computed twice.
+    apart = rest_fn is not None and loop.num_steps > loop.num_whole
+    steps = loop.without_overlap() if apart else loop
+    # Each tangent reaches the steps, the first step again (for the unbatched
+    # outputs) and the leftover: its cotangent keeps the weak type they give it
+    # (`_weak_types.py`).
+    shapes = [(steps.num_steps, 0), (0,)] + ([(0,)] if apart else [])
+    (t_fn, t_inputs), steps_probes, first_probes, *rest_probes = _fork_tree(
+        (t_fn, t_inputs), shapes
     )
     t_chunks = jtu.tree_map(
-        lambda axis, t: None if t is None else loop.split(t, axis),
+        lambda axis, t: None if t is None else steps.split(t, axis),
         loop.in_axes,
         t_inputs,
         is_leaf=is_none,
@@ -246,13 +279,27 @@ def _run_jvp(
         return carry, _fork_outputs(_t_out)
 
     (buffers, unbatched), (t_stacks, out_probes) = lax.scan(
-        _body, (buffers, unbatched), (loop.starts(), t_chunks, steps_probes)
+        _body, (buffers, unbatched), (steps.starts(), t_chunks, steps_probes)
     )
-    t_buffers = [
-        None if t is None else join(loop.merge(t, axis), probe, _weak(b))
-        for t, probe, b, axis in zip(
-            t_stacks, out_probes, buffers, loop.axes, strict=True
+    if rest_fn is not None and apart:
+        buffers, t_rows, out_probes = _leftover(
+            step,
+            rest_fn,
+            t_rest_fn,
+            (inputs, t_inputs),
+            rest_probes[0],
+            buffers,
+            (t_stacks, out_probes),
+            loop,
         )
+    else:
+        t_rows = [
+            None if t is None else loop.merge(t, axis)
+            for t, axis in zip(t_stacks, loop.axes, strict=True)
+        ]
+    t_buffers = [
+        None if t is None else join(t, probe, _weak(b))
+        for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
     ]
     t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
     t_first = _join_tree((t_fn, t_first), first_probes)
@@ -263,6 +310,51 @@ def _run_jvp(
         t_unbatched,
     )
     return (buffers, unbatched), (t_buffers, t_unbatched)
+
+
+def _leftover(
+    step: Callable[..., Any],
+    rest_fn: ArraysFn,
+    t_rest_fn: Any,
+    inputs_and_tangents: tuple[PyTree[InputArray], PyTree[InputArray | None]],
+    probes: Any,
+    buffers: list[Array],
+    scanned: tuple[list[Any], list[Any]],
+    loop: _Loop,
+) -> tuple[list[Array], list[Any], list[Any]]:
+    """The leftover's rows, evaluated apart: written into `buffers`, their
+    tangents after the whole chunks' (`scanned`: stacks and their probes)."""
+    inputs, t_inputs = inputs_and_tangents
+    rest = loop.leftover()
+    covered = loop.num_whole * loop.chunk_size
+    start = jnp.asarray(covered)
+    t_rest_fn, fn_probes = _fork_tree(t_rest_fn, [(0,)])
+    t_rest = jtu.tree_map(
+        lambda axis, t: (
+            None if t is None else lax.slice_in_dim(t, covered, None, axis=axis)
+        ),
+        loop.in_axes,
+        t_inputs,
+        is_leaf=is_none,
+    )
+    t_rest_fn, t_rest = _join_tree((t_rest_fn, t_rest), (fn_probes, probes[1]))
+    (chunk, _), (t_out, _) = step(rest_fn, t_rest_fn, inputs, start, t_rest, rest)
+    buffers = loop.write(buffers, chunk, start)
+    report_step(loop.reporter, start, rest.chunk_size, buffers)
+    t_out, rest_probes = _fork_outputs(t_out)
+    whole = loop.without_overlap()
+    t_rows, probes_out = [], []
+    for t, probe, t_last, last_probe, axis in zip(
+        *scanned, t_out, rest_probes, loop.axes, strict=True
+    ):
+        if t is None:
+            t_rows.append(None)
+            probes_out.append(None)
+            continue
+        # Both probes see the cotangent of the whole output.
+        t_rows.append(join(whole.merge(t, axis, t_last), probe))
+        probes_out.append(last_probe)
+    return buffers, t_rows, probes_out
 
 
 def _weak(x: InputArray) -> bool:
@@ -372,6 +464,7 @@ def scan_chunks(
     checkpoint: CheckpointSpec,
     write: WriteFn,
     reporter: Reporter | None = None,
+    rest_fn: ArraysFn | None = None,
 ) -> tuple[list[Array], PyTree[Array]]:
     """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` (at `axes`) with `write`; returns the buffers and the last
@@ -379,9 +472,11 @@ def scan_chunks(
 
     `fn` holds the arrays it closes over as its PyTree leaves (made by
     `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
-    rule and get tangents.
+    rule and get tangents. `rest_fn`, `fn` at the size of the rows that no whole
+    chunk covers, makes the derivative evaluate them apart rather than in an
+    overlapping step (see the module's docstring).
     """
     loop = _Loop(
         in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write, reporter
     )
-    return _run(fn, inputs, buffers, unbatched, loop=loop)
+    return _run(fn, inputs, buffers, unbatched, rest_fn, loop=loop)
