@@ -165,10 +165,12 @@ def _depends_on_size(
 
 
 def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
-    """One element of the mapped leaf `x`: its shape without `axis`."""
-    shape = list(np.shape(x))
+    """One element of the mapped leaf `x`: its shape without `axis`, its dtype
+    and weak type."""
+    aval = jax.typeof(x)
+    shape = list(aval.shape)
     del shape[axis]
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
 
 
 # What a collective over `axis_name` makes of a call (`schedule_collectives`).

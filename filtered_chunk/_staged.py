@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, PyTree
 
 from ._axes import describe
 from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
-from ._collectives import axis_names
+from ._collectives import axis_names, element_struct
 from ._custom_types import CheckpointSpec, InputArray, keep_untraced
 from ._derivatives import checkpointed
 from ._progress import AbstractProgressMeter
@@ -357,7 +357,7 @@ def run_staged(
         mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
     if not 0 < chunk_size < batch_size:
         return _one_vmap(fun, mapped, unmapped, batch_size, axis_name)
-    elements = [_element_struct(x, 0) for x in mapped]
+    elements = [element_struct(0, x) for x in mapped]
     unmapped_structs = [struct(x) for x in unmapped]
     plan = plan_staged(
         fun,
@@ -380,13 +380,6 @@ def run_staged(
         shard=None,
     )
     return out_mapped, out_unmapped, plan.program.aux, plan.num_passes
-
-
-def _element_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
-    """One element of the mapped leaf `x` (its weak type kept)."""
-    shape = list(jnp.shape(x))
-    del shape[axis]
-    return jax.ShapeDtypeStruct(tuple(shape), x.dtype, weak_type=struct(x).weak_type)
 
 
 def _final(
@@ -490,7 +483,7 @@ def plan_staged_vmap(
         m, mapped_def = jtu.tree_flatten(out_mapped)
         return m, [x for _, x in flat], (mapped_def, unmapped_def, static)
 
-    elements = [_element_struct(x, a) for x, a in zip(leaves, axes, strict=True)]
+    elements = [element_struct(a, x) for x, a in zip(leaves, axes, strict=True)]
     try:
         plan = plan_staged(
             _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
