@@ -72,7 +72,8 @@ def _fraction_hint(text: str) -> str:
 class MemoryBudget(eqx.Module):
     """A memory budget for a chunked call: give it as `chunk_size` to any chunked
     transform, and a chunk size whose compiled program fits is chosen: the
-    largest, or on CPU a smaller one whose working set stays in cache.
+    largest, or on CPU a smaller one whose working set stays in cache, or with
+    `tune=True` the fastest of a few, timed.
 
     The budget bounds what the chunked call allocates beyond its arguments: XLA's
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
@@ -100,6 +101,20 @@ class MemoryBudget(eqx.Module):
           the system's available memory and what the process's memory cgroups
           have left, so that a container's limit counts).
 
+    - `tune`: keyword-only. If `True`, the chunk size is the fastest of a few that
+        fit, timed on this machine, rather than the speed model's guess: up to
+        six sizes from half the model's size to the largest that fits (a
+        geometric ladder), each measured to fit, compiled, and run after a
+        warm-up in up to five interleaved rounds (stopping after about four
+        seconds of rounds) on random inputs of the call's shapes (its own
+        concrete arrays where it has them). The fastest run wins. It costs
+        up to six more compilations (two programs a size under reverse mode)
+        and a few runs of the call per search, once (the choice is cached as
+        any other), and memory for one copy of the call's arguments beside the
+        budget. Timings vary between runs, so two processes may choose
+        differently: for a reproducible program, fix the size
+        `suggest_chunk_size` reports. Defaults to `False`.
+
     `chunk_size="auto"` is `MemoryBudget(0.8)`: 80% of the free memory, leaving
     room for what XLA's estimate does not count (the allocator's fragmentation,
     other live arrays).
@@ -124,8 +139,15 @@ class MemoryBudget(eqx.Module):
 
     bytes: int | None = eqx.field(static=True)
     fraction: float | None = eqx.field(static=True)
+    tune: bool = eqx.field(static=True)
 
-    def __init__(self, size: Any):  # `int | float | str`, checked by value
+    def __init__(self, size: Any, *, tune: bool = False):  # `size` checked by value
+        if not isinstance(tune, bool | np.bool_):
+            raise TypeError(
+                f"`MemoryBudget(..., tune=...)` must be `True` or `False`, got "
+                f"{type(tune).__name__} object {tune!r}."
+            )
+        self.tune = bool(tune)
         if isinstance(size, str):
             self.bytes, self.fraction = _parse_bytes(size), None
         elif isinstance(size, bool) or not isinstance(
@@ -153,7 +175,8 @@ class MemoryBudget(eqx.Module):
             )
 
     def __repr__(self) -> str:
-        return f"MemoryBudget({self.fraction if self.bytes is None else self.bytes})"
+        size = self.fraction if self.bytes is None else self.bytes
+        return f"MemoryBudget({size}{', tune=True' if self.tune else ''})"
 
     def resolve(self) -> int:
         """The budget in bytes (for a fraction, of the memory free now)."""
@@ -239,6 +262,9 @@ class ChunkSizeChoice(eqx.Module):
     - `cache_bytes`: the level-2 cache the model read (`None` for `"largest"`).
     - `working_set`: `(chunk_size, chunk_size * element_bytes)`, the model's
         figure for every size tried.
+    - `times`: with `MemoryBudget(..., tune=True)`, `(chunk_size, seconds)` for
+        every size timed (the fastest of its runs), by size; the fastest is
+        `chunk_size` and `model` is `"timed"`. Empty otherwise.
 
     !!! example
 
@@ -263,7 +289,8 @@ class ChunkSizeChoice(eqx.Module):
     budget: int
     tried: tuple[tuple[int, int], ...]
     largest: int
-    model: Literal["cache", "largest"]
+    model: Literal["cache", "largest", "timed"]
     element_bytes: int
     cache_bytes: int | None
     working_set: tuple[tuple[int, int], ...]
+    times: tuple[tuple[int, float], ...] = ()

@@ -32,7 +32,7 @@ import jax.core
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _chunk_model
+from . import _chunk_model, _chunk_timing
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
 from ._budget_program import has_reverse, Layer, layers_of, transformed
 from ._eager import program_key
@@ -125,10 +125,14 @@ class _Program:
             return None, layers
         return key, layers
 
-    def measure(self, k: int | None, linearize: bool = False) -> _Measured:
+    def compile(
+        self, k: int | None, linearize: bool = False
+    ) -> tuple[_Measured, Callable[[], Any]]:
         """XLA's temporary and output bytes of the call at chunk size `k` as the
         transformations around it run it (reverse mode as a linearisation if
-        `linearize`), plus the bytes they feed in (`_budget_program.py`)."""
+        `linearize`), plus the bytes they feed in (`_budget_program.py`); and a
+        function that runs the compiled program on example arguments
+        (`_chunk_timing.py`), made on its first call."""
         closed = self.trace(k)
         consts = list(closed.consts)
         layers = layers_of([*consts, *self.leaves])
@@ -140,11 +144,21 @@ class _Program:
 
         structs = [_struct(x) for x in consts] + self.structs
         fn, structs, fed = transformed(_forward, structs, layers, linearize)
-        analysis = jax.jit(fn).lower(structs).compile().memory_analysis()
+        compiled = jax.jit(fn).lower(structs).compile()
+        analysis = compiled.memory_analysis()
         assert analysis is not None
-        return _Measured(
+        measured = _Measured(
             int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes), fed
         )
+        arguments: list[Any] = []
+
+        def _run() -> Any:
+            if not arguments:
+                known = [*consts, *self.leaves]
+                arguments.append(_chunk_timing.example_arguments(structs, known))
+            return compiled(arguments[0])
+
+        return measured, _run
 
 
 class _Sizes:
@@ -310,18 +324,29 @@ def choose_chunk_size(
     base, layers = program.key()
     machine = (_chunk_model.backend(), _chunk_model.cache_bytes())  # the model reads
     base = None if base is None else (base, batch_size, remainder, options)
-    chosen = _chosen.get((base, limit, machine)) if base is not None else None
+    choice_key = (base, limit, budget.tune, machine)
+    chosen = _chosen.get(choice_key) if base is not None else None
     if chosen is not None:
         return chosen
     tried: dict[int, _Measured] = {}
+    runs: dict[int, Callable[[], Any]] = {}  # to time, with `tune`
 
     def _once(k: int, linearize: bool) -> _Measured:
         key = None if base is None else (base, k, linearize)
         found = _measured.get(key) if key is not None else None
         if found is None:
-            found = program.measure(None if k >= batch_size else k, linearize)
+            found, run = program.compile(None if k >= batch_size else k, linearize)
             _remember(_measured, key, found)
+            if budget.tune and not linearize:  # the program that runs, to time
+                runs[k] = run
         return found
+
+    def _run_at(k: int) -> Callable[[], Any]:
+        # Compiled anew where the measurement came from the cache (which keeps
+        # no compiled programs).
+        if k not in runs:
+            runs[k] = program.compile(None if k >= batch_size else k)[1]
+        return runs[k]
 
     def _measure(k: int, full: bool = False) -> _Measured:
         # Reverse mode runs as a pullback (`grad`) or a linearisation
@@ -347,16 +372,24 @@ def choose_chunk_size(
     if capped < largest and (capped in tried or len(tried) < MAX_COMPILATIONS):
         if _measure(capped).total <= limit:
             k = capped
+    times: dict[int, float] = {}
+    if budget.tune:
+        # Sizes from half the model's to the largest, each measured to fit.
+        ladder = _chunk_timing.ladder(max(k // 2, 1), largest, sizes.at_most)
+        fitting = [s for s in sorted({*ladder, k}) if _measure(s).total <= limit]
+        times = _chunk_timing.time_each({s: _run_at(s) for s in fitting})
+        k = min(times, key=lambda s: (times[s], s))
     chosen = ChunkSizeChoice(
         k,
         tried[k].total,
         limit,
         tuple((s, tried[s].total) for s in sorted(tried)),
         largest=largest,
-        model="largest" if cap is None else "cache",
+        model="timed" if times else "largest" if cap is None else "cache",
         element_bytes=element,
         cache_bytes=machine[1] if cap is not None else None,
         working_set=tuple((s, s * element) for s in sorted(tried)),
+        times=tuple(sorted(times.items())),
     )
-    _remember(_chosen, None if base is None else (base, limit, machine), chosen)
+    _remember(_chosen, None if base is None else choice_key, chosen)
     return chosen

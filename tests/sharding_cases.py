@@ -213,6 +213,14 @@ def test_memory_budget_is_per_device(getkey):
     actual = chunked(x)
     assert same(actual, jax.vmap(f)(x))
     assert split_like(actual, mesh, "batch")
+    # Timed: every size timed fits per device, on the sharded batch itself.
+    tuned = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget(budget, tune=True))
+    choice = fc.suggest_chunk_size(tuned, x)
+    assert choice.model == "timed" and choice.times
+    assert all(bytes_at(k if k < 64 else None) <= budget for k, _ in choice.times)
+    actual = tuned(x)
+    assert same(actual, jax.vmap(f)(x))
+    assert split_like(actual, mesh, "batch")
 
 
 def mlp(w, x):
