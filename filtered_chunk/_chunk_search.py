@@ -95,6 +95,7 @@ class _Program:
         self.leaves, self.treedef = jtu.tree_flatten(dynamic)
         self.run = run
         self.structs = [_struct(x) for x in self.leaves]
+        self.examples: dict[Hashable, Any] = {}  # shared by the programs timed
 
     def trace(self, k: int | None) -> Any:
         """The jaxpr at `k` (its constants may be an outer transformation's
@@ -155,7 +156,10 @@ class _Program:
         def _run() -> Any:
             if not arguments:
                 known = [*consts, *self.leaves]
-                arguments.append(_chunk_timing.example_arguments(structs, known))
+                examples = _chunk_timing.example_arguments(
+                    structs, known, self.examples
+                )
+                arguments.append(examples)
             return compiled(arguments[0])
 
         return measured, _run

@@ -11,7 +11,7 @@ and only when asked: timings vary from run to run, the model's choice does not.
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -71,13 +71,26 @@ def example_value(struct: jax.ShapeDtypeStruct, known: Any, seed: int) -> Any:
     return jax.device_put(value, sharding) if sharding is not None else value
 
 
-def example_arguments(structs: Sequence[Any], known: Sequence[Any]) -> list[Any]:
+def example_arguments(
+    structs: Sequence[Any], known: Sequence[Any], made: dict[Hashable, Any]
+) -> list[Any]:
     """Arguments for a compiled program: the concrete arrays of `known` (by
     position; the rest of `structs` has none) and example values, made eagerly
-    even while a program is being traced."""
+    even while a program is being traced. Examples are shared through `made`
+    (by shape, dtype and sharding), so that the programs of one search hold one
+    copy of each."""
     known = [*known, *[None] * (len(structs) - len(known))]
+    arguments = []
     with jax.ensure_compile_time_eval():
-        return [example_value(s, k, i) for i, (s, k) in enumerate(zip(structs, known))]
+        for s, k in zip(structs, known):
+            if isinstance(k, jax.Array) and not isinstance(k, jax.core.Tracer):
+                arguments.append(k)
+                continue
+            key = (s.shape, str(s.dtype), getattr(s, "sharding", None))
+            if key not in made:
+                made[key] = example_value(s, None, len(made))
+            arguments.append(made[key])
+    return arguments
 
 
 def _seconds(run: Callable[[], Any], repeats: int) -> float:

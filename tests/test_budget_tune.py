@@ -172,10 +172,18 @@ def test_example_values_keep_types_and_use_concrete_arrays():
     ints = timing.example_value(jax.ShapeDtypeStruct((4,), jnp.int32), None, 0)
     assert ints.dtype == jnp.int32 and not np.any(ints)
     keys = jr.split(jr.key(0), 5)
-    made = timing.example_value(jax.ShapeDtypeStruct(keys.shape, keys.dtype), None, 0)
-    assert made.shape == keys.shape and made.dtype == keys.dtype
+    example = timing.example_value(
+        jax.ShapeDtypeStruct(keys.shape, keys.dtype), None, 0
+    )
+    assert example.shape == keys.shape and example.dtype == keys.dtype
     # A tracer is not concrete: an example takes its place.
     jax.jit(lambda t: timing.example_value(s, t, 0).shape)(known)
+    # The programs of one search share one example per shape and dtype.
+    made: dict[Any, Any] = {}
+    first = timing.example_arguments([s, s, s], [known], made)
+    second = timing.example_arguments([s, s], [None], made)
+    assert first[0] is known and first[1] is first[2] is second[0] is second[1]
+    assert len(made) == 1
 
 
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))
