@@ -54,11 +54,9 @@ def _example_keys(struct: jax.ShapeDtypeStruct) -> jax.Array:
     return jax.random.wrap_key_data(zeros, impl=impl[0])
 
 
-def example_value(struct: jax.ShapeDtypeStruct, known: Any, seed: int) -> Any:
-    """`known` if it is a concrete array, else an array of `struct`'s type:
-    standard normal for floating types, zeros otherwise (keys of zeros)."""
-    if isinstance(known, jax.Array) and not isinstance(known, jax.core.Tracer):
-        return known
+def example_value(struct: jax.ShapeDtypeStruct, seed: int) -> Any:
+    """An array of `struct`'s type: standard normal for floating types, zeros
+    otherwise (keys of zeros)."""
     dtype = struct.dtype
     if jnp.issubdtype(dtype, jax.dtypes.prng_key):
         value = _example_keys(struct)
@@ -88,7 +86,7 @@ def example_arguments(
                 continue
             key = (s.shape, str(s.dtype), getattr(s, "sharding", None))
             if key not in made:
-                made[key] = example_value(s, None, len(made))
+                made[key] = example_value(s, len(made))
             arguments.append(made[key])
     return arguments
 

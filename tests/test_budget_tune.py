@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -165,19 +166,23 @@ def test_tune_with_keys_and_integers(clean):
 
 def test_example_values_keep_types_and_use_concrete_arrays():
     s = jax.ShapeDtypeStruct((3, 2), jnp.float32)
-    x = timing.example_value(s, None, 0)
+    x = timing.example_value(s, 0)
     assert x.shape == (3, 2) and x.dtype == jnp.float32 and np.std(x) > 0
     known = jnp.ones((3, 2))
-    assert timing.example_value(s, known, 0) is known
-    ints = timing.example_value(jax.ShapeDtypeStruct((4,), jnp.int32), None, 0)
+    assert timing.example_arguments([s], [known], {})[0] is known
+    ints = timing.example_value(jax.ShapeDtypeStruct((4,), jnp.int32), 0)
     assert ints.dtype == jnp.int32 and not np.any(ints)
     keys = jr.split(jr.key(0), 5)
-    example = timing.example_value(
-        jax.ShapeDtypeStruct(keys.shape, keys.dtype), None, 0
-    )
+    example = timing.example_value(jax.ShapeDtypeStruct(keys.shape, keys.dtype), 0)
     assert example.shape == keys.shape and example.dtype == keys.dtype
+
     # A tracer is not concrete: an example takes its place.
-    jax.jit(lambda t: timing.example_value(s, t, 0).shape)(known)
+    def _traced(t: jax.Array) -> jax.Array:
+        (made,) = timing.example_arguments([s], [t], {})
+        assert made is not t and not isinstance(made, jax.core.Tracer)
+        return t
+
+    jax.jit(_traced)(known)
     # The programs of one search share one example per shape and dtype.
     made: dict[Any, Any] = {}
     first = timing.example_arguments([s, s, s], [known], made)
