@@ -51,6 +51,16 @@ def batched_none_path(e: BaseException) -> tuple[int, ...] | None:
     return None if raised_by_fun(e) else batched_none_output(e)
 
 
+def varying_unmapped(api: str, where: str) -> ValueError:
+    """The error for an output marked `out_axes=None` that varies over the batch
+    (`where`: the output, as `describe` names it, in backticks)."""
+    return ValueError(
+        f"`{api}(..., out_axes=...)` gives `None` for {where}, but it varies over the "
+        "batch. An output marked `None` must not depend on the mapped inputs; give "
+        "it an integer out axis to map it instead."
+    )
+
+
 def describe(argname: str, path: tuple[Any, ...]) -> str:
     """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`.
 

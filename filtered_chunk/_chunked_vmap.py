@@ -21,6 +21,7 @@ from ._axes import (
     is_array,
     resolve_axes,
     run_tagged,
+    varying_unmapped,
 )
 from ._boundary import deferred, keyword_only
 from ._custom_types import (
@@ -179,11 +180,7 @@ def _chunk_fn(
             raise
         index = path[1] if len(path) == 2 and path[0] == 0 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
-        raise ValueError(
-            f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it varies "
-            "over the batch. An output marked `None` must not depend on the mapped "
-            "inputs; give it an integer out axis to map it instead."
-        ) from None
+        raise varying_unmapped(_API, where) from None
     out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     out_static, out_axes = static.value
     # What no trace computed is returned as it is (`jax.vmap` does the same).
@@ -287,10 +284,10 @@ def filter_chunked_vmap(
         chunk_size)` steps over chunks of equal size (at most `chunk_size`), the
         last starting where it ends the batch: it recomputes fewer elements than
         there are steps, needs no second working set, and traces `fun` once
-        (with `axis_name`, the check for collectives traces it up to three more
-        times). `"separate"` evaluates the remainder in a second `vmap` after the
-        loop: no recomputation, but a second trace of `fun` and, measured, up to
-        twice the memory.
+        (with `axis_name`, once more with the axis unbound, to find whether
+        `fun` reads it). `"separate"` evaluates the remainder in a second
+        `vmap` after the loop: no recomputation, but a second trace of `fun`
+        and, measured, up to twice the memory.
     - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which

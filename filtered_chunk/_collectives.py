@@ -1,11 +1,12 @@
 """Finding collectives over the mapped axis, and what they mean for the schedule.
 
 This is the one collective analysis of every transform: where a collective over
-`axis_name` is (`found_in`, derivatives included: `in_derivatives`), and, in
-[`schedule_collectives`][], what it means for the call: nothing (no collective, or
-one `vmap` of the whole batch), one `vmap` of the whole batch when it is split over
-devices into shards of one chunk each (XLA computes the collective across them),
-or the staged evaluation (`_staged.py`), which computes it exactly across chunks.
+`axis_name` is (`found_in`, derivatives included: `in_derivatives`), whether `fun`
+reads the axis at all (`reads_axis`), and, in [`schedule_collectives`][], what it
+means for the call: nothing (`fun` never reads the axis, or one `vmap` of the
+whole batch), one `vmap` of the whole batch when it is split over devices into
+shards of one chunk each (XLA computes the collective across them), or the staged
+evaluation (`_staged.py`), which computes it exactly across chunks.
 """
 
 import contextlib
@@ -99,38 +100,31 @@ def in_derivatives(
     return []
 
 
-def collectives_over(
+def reads_axis(
     fun: Callable[[PyTree[Any]], Any],
     element: PyTree[jax.ShapeDtypeStruct],
     axis_name: Hashable,
     axis_size: int,
-    other_size: int,
-) -> list[str]:
-    """The collectives over `axis_name` that `fun(element)` performs, evaluated or
-    differentiated, when the axis has `axis_size` elements.
+) -> bool:
+    """Whether `fun(element)` reads the mapped axis at all, evaluated or
+    differentiated: a collective over `axis_name`, or its size.
 
-    `fun` is traced at `axis_size` first, the size it is written for: a function
-    whose shapes depend on the axis (an `all_gather` reshaped to the batch) may not
-    trace at any other. A collective that only a custom derivative rule performs
-    (a `jax.custom_vjp` backward pass) shows in the derivatives of that trace.
-
-    `lax.axis_size` (and `lax.psum` of a constant) reads the size of the axis when
-    tracing and leaves no collective in the jaxpr; it shows as `"lax.axis_size"`
-    when the jaxpr changes with that size (`other_size`), and not when it already
-    changes between two traces at the same size (a function that draws NumPy
-    random numbers when traced).
+    `lax.axis_size` (and `lax.psum` of a constant) reads the size when `fun` is
+    traced and leaves nothing in the jaxpr, and a jaxpr may read it in Python
+    (`min(lax.axis_size("i"), 6)`, a branch on it) or differently on every trace (a
+    function that draws NumPy random numbers when traced): no comparison of traces
+    can tell. Tracing `fun` with the axis unbound can: any read of it raises. A
+    collective that only a custom derivative rule performs (a `jax.custom_vjp`
+    backward pass) shows in the derivatives of that trace, traced with the axis.
     """
-
-    def trace(size: int) -> Any:
+    try:
         # A new function every time: `make_jaxpr` caches traces by function.
-        _fun = lambda _element: fun(_element)
-        return jax.make_jaxpr(_fun, axis_env=[(axis_name, size)])(element)
-
-    closed = trace(axis_size)
-    found = found_in(closed.jaxpr, axis_name)
-    if not found:  # the derivatives of a collective hold its transposes
-        num_consts = len(closed.consts)
-        found = in_derivatives(
+        closed = jax.make_jaxpr(lambda _element: fun(_element))(element)
+    except Exception:  # an unbound axis; any other error, the staged trace raises
+        return True
+    num_consts = len(closed.consts)
+    return bool(
+        in_derivatives(
             lambda xs: jax.core.eval_jaxpr(
                 closed.jaxpr, xs[:num_consts], *xs[num_consts:]
             ),
@@ -138,9 +132,7 @@ def collectives_over(
             axis_name,
             axis_size,
         )
-    if not found and _depends_on_size(trace, str(closed), axis_size, other_size):
-        found = ["lax.axis_size"]
-    return found
+    )
 
 
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
@@ -149,19 +141,6 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
 
 def _is_inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
-
-
-def _depends_on_size(
-    trace: Callable[[int], Any], jaxpr: str, size: int, other: int
-) -> bool:
-    # Printed jaxprs are deterministic (function addresses are masked), unless the
-    # function itself changes between traces.
-    if str(trace(size)) != jaxpr:
-        return False  # comparing with another size would tell nothing
-    try:
-        return str(trace(other)) != jaxpr
-    except Exception:  # any failure at another size depends on the size
-        return True
 
 
 def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
@@ -209,16 +188,19 @@ def schedule_collectives(
     """How the batch is evaluated, given the collectives over `axis_name` that
     `element` (`fun` on one element) performs.
 
-    - `NONE`: as if there were none: no collective (or no axis name), or a batch of
-      one chunk on one device (`chunk_size` `None` or at least `batch_size`),
-      which is not traced here.
+    - `NONE`: as if there were none: `element` never reads the axis (no
+      collective over it, not its size; or no axis name), or a batch of one chunk
+      on one device (`chunk_size` `None` or at least `batch_size`), which is not
+      traced here.
     - `WHOLE`: one `vmap` of the whole batch split over devices, with
       `chunk_size=None`: XLA computes the collective across them.
     - `WHOLE` also when a chunked map is nested in a staged one and uses a
       collective over its axis (see `staging`).
     - `STAGED`: the staged evaluation (`_staged.py`), on each device's shard if the
-      batch is split over devices. It refuses, naming the collective, what it
-      cannot compute exactly.
+      batch is split over devices, whenever `element` reads the axis: it traces
+      `fun` with the axis at the batch size, so every size `fun` reads is the
+      batch's, whatever the size of the chunks. It refuses, naming the
+      collective, what it cannot compute exactly.
     """
     local = batch_size if sharding is None else batch_size // sharding.num_devices
     # A sharded batch is staged on each device, unless `chunk_size=None` asks for
@@ -231,10 +213,8 @@ def schedule_collectives(
         return WHOLE
     if axis_name is None or (sharding is None and one_chunk):
         return NONE
-    other_size = max(1, local if chunk_size is None else min(chunk_size, local))
-    if other_size == batch_size:
-        other_size = batch_size + 1
-    if not collectives_over(arrays, structs, axis_name, batch_size, other_size):
+    # The whole output: a size read in Python may reach a non-array output.
+    if not reads_axis(element, structs, axis_name, batch_size):
         return NONE
     return WHOLE if one_chunk else STAGED
 

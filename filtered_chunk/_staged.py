@@ -5,11 +5,14 @@ chunk at a time. [`run_staged`][] evaluates `fun` in passes over the batch inste
 (`_staged_plan.py` says which): pass `s` is one chunked loop that computes only the
 operands of the collectives of level `s`, with the results of lower levels as
 unmapped values, and accumulates them across chunks (`_staged_passes.py`); the last
-pass is the library's loop ([`run_in_chunks`][]), computing the mapped outputs, and
-the unmapped outputs are computed once. So `psum`, `pmean`, `pmax`, `pmin`,
-`axis_index`, `axis_size`, `all_gather`, `ppermute`, `psum_scatter` and `all_to_all`
-give `jax.vmap`'s results (up to the order of floating-point sums), with a working
-set of one chunk per pass plus the collectives' results and gather buffers.
+pass is the library's loop ([`run_in_chunks`][]), computing every output (the
+unmapped ones as its unbatched outputs, so that `jax.vmap` tells whether they
+vary). `fun` is traced once, with the axis at the batch size, so every size it
+reads (`lax.axis_size`, `psum` of a constant) is the batch's. So `psum`, `pmean`,
+`pmax`, `pmin`, `axis_index`, `axis_size`, `all_gather`, `ppermute`,
+`psum_scatter` and `all_to_all` give `jax.vmap`'s results (up to the order of
+floating-point sums), with a working set of one chunk per pass plus the
+collectives' results and gather buffers.
 
 Cost: `num_passes + 1` loops, each recomputing what its level needs (a dependency
 depth of `d` costs up to `d + 1` evaluations of the prefix of `fun`). Every pass's
@@ -30,11 +33,12 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PyTree
 
-from ._axes import describe
+from ._axes import describe, varying_unmapped
 from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
 from ._collectives import axis_names, element_struct
 from ._custom_types import CheckpointSpec, InputArray, keep_untraced
 from ._derivatives import checkpointed
+from ._jax_compat import batched_none_output
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, report_step, reporter
 from ._staged_passes import (
@@ -52,13 +56,22 @@ from ._staged_plan import (
     FINAL,
     make_plan,
     Plan,
-    UNMAPPED,
-    VaryingUnmappedOutput,
 )
 from ._staged_program import bind, staged_program, struct
 
 
 ElementFn = Callable[[list[Array], list[Array]], tuple[list[Any], list[Any], Any]]
+
+
+class VaryingUnmappedOutput(ValueError):
+    """An output marked `out_axes=None` varies over the batch: `index` is its
+    position among the unmapped outputs."""
+
+    def __init__(self, index: int):
+        super().__init__(
+            "`run_staged` gives `None` for an output that varies over the batch."
+        )
+        self.index = index
 
 
 class Shard(NamedTuple):
@@ -201,8 +214,11 @@ def _pass(
     acc, gathered = lax.scan(_body, init, xs)
     if overlap:  # the last step's new rows
         skip = chunk_size - leftover
+        # Explicit sizes: `-1` is ambiguous for an operand of no elements.
         gathered = [
-            jnp.concatenate([g[:-1].reshape(-1, *g.shape[2:]), g[-1, skip:]])
+            jnp.concatenate(
+                [g[:-1].reshape(whole * chunk_size, *g.shape[2:]), g[-1, skip:]]
+            )
             for g in gathered
         ]
     else:
@@ -273,7 +289,7 @@ def plan_staged(
     """The plan of `fun` (see `run_staged`) for one element like `mapped`, traced
     outside any `shard_map`; raises what cannot be staged exactly."""
     program = staged_program(fun, mapped, unmapped, axis_name, batch_size, api)
-    plan = make_plan(program, api)
+    plan = make_plan(program)
     check_custom_rules(program, api)
     return plan
 
@@ -283,6 +299,7 @@ def run_plan(
     consts: list[Any],
     unmapped: list[Array],
     mapped: list[Array],
+    in_axes: list[int],
     *,
     chunk_size: int,
     remainder: str,
@@ -291,15 +308,19 @@ def run_plan(
     api: str,
     shard: Shard | None,
 ) -> tuple[list[Array], list[Any]]:
-    """The passes and the final loop of `plan`, over `mapped` (the batch on axis
-    0; this device's shard of it with `shard`): the mapped and unmapped outputs.
-    `consts` are the program's (inputs of the `shard_map`, when sharded)."""
+    """The passes and the final loop of `plan`, over `mapped` (the batch on
+    `in_axes`; this device's shard of it with `shard`): the mapped outputs (the
+    batch on axis 0) and the unmapped ones. `consts` are the program's (inputs of
+    the `shard_map`, when sharded)."""
     fixed = list(consts) + list(unmapped)
     chunk_size = min(chunk_size, _local_size(plan, shard))  # a shard in one chunk
     results: dict[int, list[Array]] = {}
     options: dict[str, Any] = dict(
         chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, shard=shard
     )
+    # The passes scan over chunks stacked on axis 0 (a copy of a leaf mapped on
+    # another axis, where there is a pass).
+    stacked = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
     for level in range(1, plan.num_passes + 1):
         results.update(
             _pass(
@@ -307,15 +328,15 @@ def run_plan(
                 level,
                 fixed,
                 dict(results),
-                mapped,
+                stacked,
                 progress_meter=progress_meter,
                 api=api,
                 **options,
             )
         )
-    out_mapped = _final(plan, fixed, results, mapped, progress_meter, api, **options)
-    args = _with_mapped(plan, fixed, [None] * plan.program.num_mapped_in)
-    out_unmapped = _evaluate(plan, UNMAPPED, args, results, None)
+    out_mapped, out_unmapped = _final(
+        plan, fixed, results, (mapped, in_axes), progress_meter, api, **options
+    )
     out_unmapped = [
         value if untraced else x
         for x, (untraced, value) in zip(out_unmapped, plan.program.kept, strict=True)
@@ -344,7 +365,8 @@ def run_staged(
     leaves (lists of arrays) and returns `(mapped_out, unmapped_out, aux)`: lists
     of arrays and anything static. `mapped` holds the leaves with the batch on
     their `in_axes` (default: axis 0 of each; another axis costs one transpose of
-    that leaf). `progress_meter` (labelled `api`) counts the final pass.
+    that leaf where there is a pass). `progress_meter` (labelled `api`) reports
+    every loop.
 
     Returns `(mapped_out, unmapped_out, aux, num_passes)`: the mapped outputs with
     the batch on axis 0; the unmapped outputs, which must not vary over the batch
@@ -353,11 +375,11 @@ def run_staged(
     before the final one. Raises a `ValueError` naming the collective where it
     cannot be computed exactly (see `_staged_program.py`).
     """
-    if in_axes is not None:
-        mapped = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
+    axes = [0] * len(mapped) if in_axes is None else list(in_axes)
     if not 0 < chunk_size < batch_size:
-        return _one_vmap(fun, mapped, unmapped, batch_size, axis_name)
-    elements = [element_struct(0, x) for x in mapped]
+        moved = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, axes, strict=True)]
+        return _one_vmap(fun, moved, unmapped, batch_size, axis_name)
+    elements = [element_struct(a, x) for x, a in zip(mapped, axes, strict=True)]
     unmapped_structs = [struct(x) for x in unmapped]
     plan = plan_staged(
         fun,
@@ -372,6 +394,7 @@ def run_staged(
         plan.program.consts,
         unmapped,
         mapped,
+        axes,
         chunk_size=chunk_size,
         remainder=remainder,
         checkpoint=checkpoint,
@@ -386,42 +409,62 @@ def _final(
     plan: Plan,
     fixed: list[Any],
     results: dict[int, list[Array]],
-    mapped: list[Array],
+    batch: tuple[list[Array], list[int]],
     progress_meter: AbstractProgressMeter | None,
     api: str,
     **options: Any,
-) -> list[Array]:
-    """The mapped outputs: the library's loop, reading every level's results."""
+) -> tuple[list[Array], list[Array]]:
+    """The outputs: the library's loop over the batch (the mapped leaves and
+    their axes), reading every level's results.
+
+    The unmapped outputs (`out_axes=None`) are the loop's unbatched outputs, so
+    that `jax.vmap`'s own batching rules say whether they vary (a loop or a `cond`
+    that carries a mapped value beside an unmapped one), as without chunks; one
+    that varies raises `VaryingUnmappedOutput`.
+    """
     shard = options.pop("shard")
     batch_size = _local_size(plan, shard)
+    mapped, axes = batch
+    num_mapped = plan.program.num_mapped_out
+
+    def _element(_m: list[Array], _position: Array) -> tuple[list[Any], list[Any]]:
+        _args = _with_mapped(plan, fixed, _m)
+        out = _evaluate(plan, FINAL, _args, results, _position)
+        return out[:num_mapped], out[num_mapped:]
 
     def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
-        _mapped, _positions = inputs
-
-        def _element(_m: list[Array], _position: Array) -> list[Any]:
-            _args = _with_mapped(plan, fixed, _m)
-            return _evaluate(plan, FINAL, _args, results, _position)
-
-        out = jax.vmap(_element)(_mapped, _positions)
-        return ChunkOutput(out, (0,) * len(out), [], None)
+        vmapped = jax.vmap(_element, in_axes=(axes, 0), out_axes=(0, None))
+        try:
+            out, unbatched = vmapped(*inputs)
+        except ValueError as e:
+            path = batched_none_output(e)
+            if path is None or path[:1] != (1,):
+                raise
+            raise VaryingUnmappedOutput(path[1] if len(path) > 1 else 0) from None
+        return ChunkOutput(out, (0,) * len(out), unbatched, None)
 
     inputs = (list(mapped), _positions(batch_size, shard))
-    if options["chunk_size"] >= batch_size:  # a device's shard in one chunk
-        return list(_chunk_fn(inputs, batch_size).batched)
-    in_axes = ([0] * len(mapped), 0)
     loops = plan.num_passes + 1
+    loop = None if loops == 1 else f"loop {loops} of {loops}"
+    if options["chunk_size"] >= batch_size:  # a device's shard in one chunk
+        found = reporter(
+            progress_meter, api, batch_size, batch_size, options["remainder"], loop
+        )
+        out = quiet(_chunk_fn, found)(inputs, batch_size)
+        report_step(found, jnp.asarray(0), batch_size, out.batched)
+        return list(out.batched), list(out.unbatched)
     out = run_in_chunks(
         _chunk_fn,
         inputs,
-        in_axes,
+        (list(axes), 0),
         batch_size=batch_size,
         progress_meter=progress_meter,
         api=api,
-        loop=None if loops == 1 else f"loop {loops} of {loops}",
+        loop=loop,
         **options,
     )
-    return list(out.batched)
+    return list(out.batched), list(out.unbatched)
 
 
 def _one_vmap(
@@ -473,27 +516,19 @@ def plan_staged_vmap(
     """
     leaves, treedef = jtu.tree_flatten(mapped)
     axes = list(jtu.tree_leaves(in_axes))
-    paths: list[str] = []
 
     def _fun(_mapped: list[Array], _unmapped: list[Array]) -> Any:
         del _unmapped
         out_mapped, out_unmapped, static = element(jtu.tree_unflatten(treedef, _mapped))
         flat, unmapped_def = jtu.tree_flatten_with_path(out_unmapped)
-        paths[:] = [describe("output", path) for path, _ in flat]
+        paths = tuple(describe("output", path) for path, _ in flat)
         m, mapped_def = jtu.tree_flatten(out_mapped)
-        return m, [x for _, x in flat], (mapped_def, unmapped_def, static)
+        return m, [x for _, x in flat], (mapped_def, unmapped_def, static, paths)
 
     elements = [element_struct(a, x) for x, a in zip(leaves, axes, strict=True)]
-    try:
-        plan = plan_staged(
-            _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
-        )
-    except VaryingUnmappedOutput as e:
-        raise ValueError(
-            f"`{api}(..., out_axes=...)` gives `None` for `{paths[e.index]}`, but it "
-            "varies over the batch. An output marked `None` must not depend on the "
-            "mapped inputs; give it an integer out axis to map it instead."
-        ) from None
+    plan = plan_staged(
+        _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
+    )
     return StagedVmap(plan, axes)
 
 
@@ -513,20 +548,24 @@ def run_staged_vmap(
     from its staged plan: `consts` are the plan's (`staged.plan.program.consts`,
     or what `shard_map` made of them), `mapped` the call's mapped leaves (this
     device's shard of them with `shard`)."""
-    leaves = jtu.tree_leaves(mapped)
-    leaves = [jnp.moveaxis(x, a, 0) for x, a in zip(leaves, staged.in_axes)]
-    out_mapped, out_unmapped = run_plan(
-        staged.plan,
-        consts,
-        [],
-        leaves,
-        chunk_size=chunk_size,
-        remainder=remainder,
-        checkpoint=checkpoint,
-        progress_meter=progress_meter,
-        api=api,
-        shard=shard,
-    )
+    try:
+        out_mapped, out_unmapped = run_plan(
+            staged.plan,
+            consts,
+            [],
+            jtu.tree_leaves(mapped),
+            staged.in_axes,
+            chunk_size=chunk_size,
+            remainder=remainder,
+            checkpoint=checkpoint,
+            progress_meter=progress_meter,
+            api=api,
+            shard=shard,
+        )
+    except VaryingUnmappedOutput as e:
+        paths = staged.plan.program.aux[3]
+        where = f"`{paths[e.index]}`" if e.index < len(paths) else "an output"
+        raise varying_unmapped(api, where) from None
     return _vmap_output(staged, out_mapped, out_unmapped)
 
 
@@ -547,7 +586,7 @@ def output_shapes(staged: StagedVmap, size: int) -> ChunkOutput:
 def _vmap_output(
     staged: StagedVmap, out_mapped: list[Array], out_unmapped: list[Any]
 ) -> ChunkOutput:
-    mapped_def, unmapped_def, static = staged.plan.program.aux
+    mapped_def, unmapped_def, static, _ = staged.plan.program.aux
     out_static, out_axes = static.value
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(out_mapped, axes, strict=True)]

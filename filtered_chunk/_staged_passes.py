@@ -81,7 +81,9 @@ def reduce_chunk(which: str, x: Array, mask: Bool[Array, " chunk"] | None) -> An
     """
     x = _strong(x)
     if which == "sum":
-        return jnp.sum(_masked(x, mask, 0), axis=0)
+        # In the operand's dtype: `jnp.sum` promotes small integers, XLA's `psum`
+        # wraps around in them.
+        return jnp.sum(_masked(x, mask, 0), axis=0, dtype=x.dtype)
     values = lax.stop_gradient(_masked(x, mask, _lowest(x.dtype, which)))
     top = getattr(jnp, which)(values, axis=0)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

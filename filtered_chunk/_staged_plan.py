@@ -3,9 +3,8 @@
 Given the flat per-element program (`_staged_program.py`), [`make_plan`][] gives
 each collective over the mapped axis its level, and each stage the equations it
 must evaluate: stage `s <= num_passes` computes the operands of the level-`s`
-collectives, reading the results of lower levels; the final stage computes the
-mapped outputs, and the unmapped outputs (`out_axes=None`) are computed once, from
-the collectives' results and the unmapped inputs alone.
+collectives, reading the results of lower levels; the final stage computes every
+output, mapped or not (`out_axes=None`).
 """
 
 import dataclasses
@@ -25,16 +24,6 @@ from ._staged_program import bind, CUSTOM, Program, varying_outputs
 # per-element values (broadcast when they do not vary) fill a batch-sized buffer.
 _PER_ELEMENT = ("ppermute", "all_to_all", "reduce_scatter")
 FINAL = "final"
-UNMAPPED = "unmapped"
-
-
-class VaryingUnmappedOutput(ValueError):
-    """An output marked `out_axes=None` varies over the batch; `index` is its
-    position among the unmapped outputs."""
-
-    def __init__(self, message: str, index: int):
-        super().__init__(message)
-        self.index = index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +32,8 @@ class Plan:
     # Equation index -> level, for the collectives that take a pass.
     levels: dict[int, int]
     num_passes: int
-    # Stage (1..num_passes, FINAL, UNMAPPED) -> the equations it evaluates, in order,
-    # and the variables it returns.
+    # Stage (1..num_passes, FINAL) -> the equations it evaluates, in order, and the
+    # variables it returns.
     schedules: dict[Any, list[int]]
     targets: dict[Any, list[Any]]
 
@@ -56,7 +45,7 @@ def _is_var(v: Any) -> bool:
     return not isinstance(v, jex.Literal)
 
 
-def make_plan(program: Program, api: str) -> Plan:
+def make_plan(program: Program) -> Plan:
     jaxpr, axis_name = program.jaxpr, program.axis_name
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
     first = len(program.consts)
@@ -75,26 +64,15 @@ def make_plan(program: Program, api: str) -> Plan:
         for v, b in zip(eqn.outvars, out_var, strict=True):
             level[v], var[v] = lv, b
     num_passes = max(levels.values(), default=0)
-    outs = list(jaxpr.outvars)
-    mapped_out, unmapped_out = (
-        outs[: program.num_mapped_out],
-        outs[program.num_mapped_out :],
-    )
-    for index, v in enumerate(unmapped_out):
-        if _is_var(v) and var[v]:
-            raise VaryingUnmappedOutput(
-                f"`{api}(..., out_axes=...)` gives `None` for an output that varies "
-                "over the batch. An output marked `None` must not depend on the "
-                "mapped inputs; give it an integer out axis to map it instead.",
-                index,
-            )
     targets: dict[Any, list[Any]] = {}
     for s in range(1, num_passes + 1):
         targets[s] = [v for i in levels if levels[i] == s for v in jaxpr.eqns[i].invars]
-    targets[FINAL], targets[UNMAPPED] = mapped_out, unmapped_out
+    # Every output, the unmapped ones too: `jax.vmap` in the final loop tells
+    # whether those vary (`_staged._final`).
+    targets[FINAL] = list(jaxpr.outvars)
     schedules = {}
     for stage, roots in targets.items():
-        upto = stage if isinstance(stage, int) else num_passes + 1
+        upto = num_passes + 1 if stage == FINAL else stage
         schedules[stage] = _schedule(jaxpr.eqns, roots, upto, levels, stage == FINAL)
     return Plan(program, levels, num_passes, schedules, targets)
 

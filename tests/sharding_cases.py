@@ -499,3 +499,48 @@ def test_collectives_staged_per_device(axis_type, mesh_of, chunk_size, remainder
     actual, expected = jax.device_get(((out, grads), expected))
     assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
     assert split_like(out[0], mesh, names)
+
+
+@pytest.mark.parametrize("chunk_size", (3, 8))
+def test_progress_reports_every_loop_of_a_sharded_batch(chunk_size, getkey):
+    # A softmax over 64 elements on 8 devices takes three loops: each reports
+    # the whole batch, also when every shard is one chunk (`chunk_size=8`).
+    meter = recorder()
+    mesh = mesh_1d(EXPLICIT)
+    x = jr.normal(getkey(), (64, 3))
+    softmax = lambda e: (
+        jnp.exp(e - jax.lax.pmax(e, "i"))
+        / jax.lax.psum(jnp.exp(e - jax.lax.pmax(e, "i")), "i")
+    )
+    chunked = fc.filter_chunked_vmap(
+        softmax, axis_name="i", chunk_size=chunk_size, progress_meter=meter
+    )
+    with jax.set_mesh(mesh):
+        out = chunked(put(x, mesh, "batch"))
+    assert same(out, eqx.filter_vmap(softmax, axis_name="i")(x))
+    opens = [e for e in meter.events if e[0] == "open"]
+    labels = [f"filter_chunked_vmap (loop {k} of 3)" for k in (1, 2, 3)]
+    assert opens == [("open", label, 64) for label in labels]
+    assert meter.counts()[-1] == 64 and meter.events[-1] == ("close",)
+
+
+_SIZE_READERS = {
+    "min": lambda e: (e * min(jax.lax.axis_size("i"), 30), 40),
+    "non-array": lambda e: (e * 30, jax.lax.axis_size("i")),
+}
+
+
+@pytest.mark.parametrize("name", _SIZE_READERS)
+@pytest.mark.parametrize("chunk_size", (1, 3, 5, None))
+def test_sizes_read_on_a_shard_are_the_batch(name, chunk_size):
+    # 40 elements, 5 per device: `lax.axis_size` is 40 in every chunk of every
+    # shard, read in Python or returned as a non-array output.
+    mesh = mesh_1d(EXPLICIT)
+    x = jnp.arange(1.0, 41.0)
+    chunked = fc.filter_chunked_vmap(
+        _SIZE_READERS[name], axis_name="i", chunk_size=chunk_size
+    )
+    with jax.set_mesh(mesh):
+        out = chunked(put(x, mesh, "batch"))
+    assert same(out[0], x * 30) and out[1] == 40
+    assert split_like(out[0], mesh, "batch")

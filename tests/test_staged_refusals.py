@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import filtered_chunk as fc
-from filtered_chunk._staged_plan import VaryingUnmappedOutput
+from filtered_chunk._staged import VaryingUnmappedOutput
 
 from .staged_cases import staged_call
 
