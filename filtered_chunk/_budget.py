@@ -79,14 +79,19 @@ class MemoryBudget(eqx.Module):
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
     runs. Under `jax.grad`/`jax.vjp`/`jax.linearize` that is the differentiated
     program (forward and backward, with the transform's `checkpoint` setting, or
-    the linearisation, whichever is larger), under `jax.jvp`/`jax.jacfwd` the
-    forward-mode program (primal and tangent outputs), each measured with the
-    cotangents or tangents as arguments and their bytes counted. The chunk size
-    is found by compiling the call at a few chunk sizes on abstract shapes
+    the linearisation, whichever is larger; the backward pass alone where `fun`
+    holds a `jax.custom_vjp`, which has no linearisation), under
+    `jax.jvp`/`jax.jacfwd` the forward-mode program (primal and tangent
+    outputs). The backward pass is measured as `jax.value_and_grad(...,
+    has_aux=True)` of a loss of the outputs runs it, with the cotangent computed
+    from the outputs; tangents are arguments, their bytes counted. The chunk
+    size is found by compiling the call at a few chunk sizes on abstract shapes
     (usually four to seven, at most twelve; two programs a size under reverse
     mode) when the transform is first called with those shapes, inside or
     outside `jax.jit`; the choice is cached, so later calls compile nothing more
-    for it.
+    for it. One element per chunk is not assumed to need the least: where
+    neither it nor the other ends of the ranges searched fit, a few sizes
+    between are measured before the budget is refused.
 
     **Arguments:**
 

@@ -10,11 +10,15 @@ a loop of one step). So the chunk size is searched by compiling the call on
 abstract shapes (`jax.jit(...).lower(...).compile().memory_analysis()`), never
 by running it, as the transformations around it run it (`_budget_program.py`):
 the whole batch first (if it fits, nothing is chunked), then one element per
-chunk (if that does not fit, nothing does), then each range from the largest
-down: its ends, and if only its smallest size fits, sizes in between guessed by
-secant interpolation, each guess checked together with its neighbour
-(bisecting when the guesses keep missing on one side). That finds the largest
-size measured to fit whose next size up measurably does not; the speed model
+chunk, then each range from the largest down: its ends, and if only its
+smallest size fits, sizes in between guessed by secant interpolation, each guess
+checked together with its neighbour (bisecting when the guesses keep missing on
+one side). One element per chunk need not be the smallest program (a
+collective's staged program, or XLA's schedule of a small derivative, can need
+more there than at a few elements, issue 23, item 7): where no range's ends
+fit, a few sizes across the smallest range are measured (`_probes`) before the
+budget is refused, and the refusal lists every size measured. That finds the
+largest size measured to fit whose next size up measurably does not; the speed model
 (`_chunk_model.py`) may then cap it at a smaller size, which runs only if it too
 is measured to fit, all within `MAX_COMPILATIONS` sizes. Measurements are cached
 on the traced program (as `_eager.py` keys compiled programs), choices on that
@@ -22,43 +26,27 @@ and the machine the model reads, so a repeated call compiles nothing for the
 search.
 """
 
-import dataclasses
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import equinox as eqx
-import jax
-import jax.core
-import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from . import _chunk_model, _chunk_timing
 from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
-from ._budget_program import has_reverse, Layer, layers_of, transformed
-from ._eager import program_key
+from ._budget_program import ChunkedProgram, has_reverse, linearisation, Measured
 
 
 # A search measures at most this many sizes: the whole batch, one element, the
-# ends of each further segment of sizes (`_segments`), then pairs of guesses, and
-# one more for the speed model's size (`_chunk_model.py`). Each size compiles one
-# program; under a reverse-mode transformation, two when the first fits
-# (`choose_chunk_size`).
+# ends of each further segment of sizes (`_segments`), then pairs of guesses (or,
+# where no end fits, `_probes`), and one more for the speed model's size
+# (`_chunk_model.py`). Each size compiles one program; under a reverse-mode
+# transformation, two when the first fits (`choose_chunk_size`).
 MAX_COMPILATIONS = 12
 
 
-@dataclasses.dataclass(frozen=True)
-class _Measured:
-    temp: int
-    output: int
-    fed: int = 0  # the tangents or cotangents a derivative feeds in
-
-    @property
-    def total(self) -> int:
-        return self.temp + self.output + self.fed
-
-
 _MAX_ENTRIES = 256
-_measured: dict[Hashable, _Measured] = {}
+_measured: dict[Hashable, Measured | None] = {}  # `None`: no linearisation
 _chosen: dict[Hashable, ChunkSizeChoice] = {}
 
 
@@ -68,101 +56,6 @@ def _remember(cache: dict[Hashable, Any], key: Hashable | None, value: Any) -> N
     cache[key] = value
     while len(cache) > _MAX_ENTRIES:
         del cache[next(iter(cache))]
-
-
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    aval = jax.typeof(x)
-    sharding = None
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        if len(x.sharding.device_set) > 1:
-            sharding = x.sharding  # per-device bytes, as the call runs
-    return jax.ShapeDtypeStruct(
-        aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding
-    )
-
-
-def _key_of(struct: jax.ShapeDtypeStruct) -> Hashable:
-    return (struct.shape, str(struct.dtype), struct.weak_type, struct.sharding)
-
-
-class _Program:
-    """The chunked call at any chunk size, as a function of abstract inputs."""
-
-    def __init__(self, run: Callable[[int | None, Any], Any], tree: PyTree[Any]):
-        dynamic, self.static = eqx.partition(tree, eqx.is_array)
-        self.leaves, self.treedef = jtu.tree_flatten(dynamic)
-        self.run = run
-        self.structs = [_struct(x) for x in self.leaves]
-        self.examples: dict[Hashable, Any] = {}  # shared by the programs timed
-
-    def trace(self, k: int | None) -> Any:
-        """The jaxpr at `k` (its constants may be an outer transformation's
-        tracers, or arrays the call closes over)."""
-
-        def _fn(_leaves: list[Any]) -> Any:
-            tree = eqx.combine(jtu.tree_unflatten(self.treedef, _leaves), self.static)
-            return jtu.tree_leaves(eqx.filter(self.run(k, tree), eqx.is_array))
-
-        return jax.make_jaxpr(_fn)(self.structs)
-
-    def key(self) -> tuple[Hashable | None, tuple[Layer, ...]]:
-        """What the measurements depend on (the traced program, unchunked, and
-        its callables' identities; the inputs' types; the transformations around
-        it), and those transformations."""
-        closed = self.trace(None)
-        layers = layers_of([*closed.consts, *self.leaves])
-        try:
-            key = (
-                str(closed.jaxpr),
-                tuple(program_key(closed.jaxpr, evaluated_only=False)),
-                tuple(_key_of(_struct(x)) for x in closed.consts),
-                tuple(_key_of(s) for s in self.structs),  # with their shardings
-                layers,
-            )
-            hash(key)
-        except TypeError:
-            return None, layers
-        return key, layers
-
-    def compile(
-        self, k: int | None, linearize: bool = False
-    ) -> tuple[_Measured, Callable[[], Any]]:
-        """XLA's temporary and output bytes of the call at chunk size `k` as the
-        transformations around it run it (reverse mode as a linearisation if
-        `linearize`), plus the bytes they feed in (`_budget_program.py`); and a
-        function that runs the compiled program on example arguments
-        (`_chunk_timing.py`), made on its first call."""
-        closed = self.trace(k)
-        consts = list(closed.consts)
-        layers = layers_of([*consts, *self.leaves])
-
-        def _forward(leaves: list[Any]) -> list[Any]:
-            return jax.core.eval_jaxpr(
-                closed.jaxpr, leaves[: len(consts)], *leaves[len(consts) :]
-            )
-
-        structs = [_struct(x) for x in consts] + self.structs
-        fn, structs, fed = transformed(_forward, structs, layers, linearize)
-        compiled = jax.jit(fn).lower(structs).compile()
-        analysis = compiled.memory_analysis()
-        assert analysis is not None
-        measured = _Measured(
-            int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes), fed
-        )
-        arguments: list[Any] = []
-
-        def _run() -> Any:
-            if not arguments:
-                known = [*consts, *self.leaves]
-                examples = _chunk_timing.example_arguments(
-                    structs, known, self.examples
-                )
-                arguments.append(examples)
-            return compiled(arguments[0])
-
-        return measured, _run
 
 
 class _Sizes:
@@ -192,23 +85,70 @@ class _Sizes:
         return self.at_most(k - 1)
 
 
-def _too_small(api: str, budget: MemoryBudget, limit: int, smallest: _Measured):
-    fed = (
-        f" and {smallest.fed} bytes are the tangents or cotangents that the "
-        "derivative around the call feeds in,"
-        if smallest.fed
-        else ","
-    )
-    return ValueError(
+def _too_small(
+    api: str,
+    budget: MemoryBudget,
+    limit: int,
+    tried: dict[int, Measured],
+    n: int,
+    reverse: bool = False,
+) -> ValueError:
+    """The refusal of a budget that no size measured fits, of a batch of `n`:
+    below the outputs, which no chunk size changes; else what the smallest
+    program measured needs (the size needing the least need not be one element
+    per chunk), every size measured, and (`reverse`) what the measurement of a
+    backward pass assumes of the loss."""
+    k = min(tried, key=lambda s: (tried[s].total, s))
+    smallest = tried[k]
+    head = (
         f"`{api}(..., chunk_size={budget!r})`: the memory budget of {limit} bytes "
-        f"({format_bytes(limit)}) is too small for this call. Even one element per "
-        "chunk (one row or column, for a Jacobian) needs "
-        f"{smallest.total} bytes ({format_bytes(smallest.total)}) of temporaries "
-        f"and outputs, of which {smallest.output} bytes are outputs{fed} "
-        "allocated at full batch size whatever the chunk size. Give a budget of at "
-        f"least {smallest.total} bytes, or make the outputs smaller (map fewer "
-        "elements per call, or return less)."
+        f"({format_bytes(limit)}) is too small for this call."
     )
+    outputs = f"{smallest.output} bytes ({format_bytes(smallest.output)})"
+    fix = "make the outputs smaller (map fewer elements per call, or return less)."
+    fed = (
+        f", and {smallest.fed} bytes are the tangents that the derivative around "
+        "the call feeds in"
+        if smallest.fed
+        else ""
+    )
+    if smallest.output > limit:
+        return ValueError(
+            f"{head} Its outputs alone need {outputs}, allocated at full batch "
+            f"size whatever the chunk size{fed}, so no chunk size fits. Give a "
+            "budget larger than the outputs (the whole batch at once needs "
+            f"{tried[n].total} bytes), or {fix}"
+        )
+    which = (
+        "Even one element per chunk (one row or column, for a Jacobian)"
+        if k == 1
+        else "The smallest program measured, the whole batch at once,"
+        if k == n
+        else f"The smallest program measured, at {k} elements per chunk (rows or "
+        "columns, for a Jacobian),"
+    )
+    measured = ", ".join(f"{s}: {tried[s].total}" for s in sorted(tried))
+    return ValueError(
+        f"{head} {which} needs {smallest.total} bytes "
+        f"({format_bytes(smallest.total)}) of temporaries and outputs, of which "
+        f"{outputs} are outputs, allocated at full batch size whatever the chunk "
+        f"size{fed}. The chunk sizes measured (`chunk_size: bytes`) were "
+        f"{measured}: none fits.{_ASSUMED if reverse else ''} Give a budget of at "
+        f"least {smallest.total} bytes, or {fix}"
+    )
+
+
+# What the measurement of a backward pass assumes (`_budget_program.py`).
+_ASSUMED = (
+    " Under reverse mode each size is measured as the larger of two programs, "
+    "since `jax.grad` and `jax.linearize` cannot be told apart when the call is "
+    "traced: the linearisation applied to a tangent (its bytes counted), and the "
+    "backward pass with the cotangent computed from the call's outputs, as a "
+    "loss that reads them computes it (the program of "
+    "`jax.value_and_grad(loss, has_aux=True)` returning the outputs too). A "
+    "`jax.grad` whose cotangent XLA folds into a constant (a plain `jnp.sum` of "
+    "the outputs) needs less, but the search cannot see the loss."
+)
 
 
 def _segments(sizes: _Sizes) -> list[tuple[int, int]]:
@@ -261,11 +201,29 @@ def _secant(
     return lo
 
 
+def _probes(sizes: _Sizes, bracket: tuple[int, int], count: int) -> list[int]:
+    """Up to `count` sizes strictly inside `bracket = (lo, hi)` to measure where
+    neither end fits, largest first. By priority: the size above `lo` (one
+    element can be the costly one), the largest size below `hi` that divides the
+    batch (no overlapping step or remainder: under a derivative it can need less
+    than its neighbours), then three sizes spaced geometrically across the
+    range, each with the largest divisor of the batch not above it."""
+    lo, hi = bracket
+    small = [d for d in range(1, math.isqrt(sizes.n) + 1) if sizes.n % d == 0]
+    divisors = sorted({*small, *(sizes.n // d for d in small)})
+    divisor = lambda t: max(d for d in divisors if d <= max(t, 1))  # noqa: E731
+    targets = [sizes.at_most(int(lo * (hi / lo) ** (i / 4))) for i in (2, 1, 3)]
+    ladder = [sizes.above(lo), divisor(hi - 1)]
+    ladder += [k for t in targets for k in (t, divisor(t))]
+    inside = [k for k in dict.fromkeys(ladder) if lo < k < hi]
+    return sorted(inside[: max(count, 0)], reverse=True)
+
+
 def _search(
-    measure: Callable[[int], _Measured],
+    measure: Callable[[int], Measured],
     sizes: _Sizes,
     limit: int,
-    on_too_small: Callable[[_Measured], Exception],
+    on_too_small: Callable[[], Exception],
     spent: Callable[[], int],
 ) -> int:
     """The largest size measured to fit `limit` whose next size up does not (or the
@@ -275,16 +233,24 @@ def _search(
     segments = _segments(sizes)
     if bytes_at(sizes.n) <= limit:
         return sizes.n
-    if sizes.n == 1 or bytes_at(1) > limit:
-        raise on_too_small(measure(1))
+    # The outputs exist at full batch size whatever the chunk size: a budget
+    # below them is refused without compiling more.
+    if sizes.n == 1 or measure(sizes.n).output > limit:
+        raise on_too_small()
+    bytes_at(1)  # the slope of the speed model's working set (`_element_bytes`)
     for lo, hi in segments[1:]:
         # Within a segment the bytes are close to affine in the size, so if
-        # neither end fits, nothing between does.
+        # neither end fits, nothing between does; except in the smallest sizes.
         if bytes_at(hi) <= limit:
             return hi
         if lo < hi and bytes_at(lo) <= limit:
             return _secant(bytes_at, sizes, limit, (lo, hi), spent)
-    raise AssertionError("one element per chunk fits")  # the last segment's `lo`
+    lo, hi = segments[-1]
+    for k in _probes(sizes, (lo, hi), MAX_COMPILATIONS - spent()):
+        if bytes_at(k) <= limit:
+            return _secant(bytes_at, sizes, limit, (k, hi), spent)
+        hi = k
+    raise on_too_small()
 
 
 def _element_bytes(measured: dict[int, int], sizes: _Sizes) -> int:
@@ -323,7 +289,7 @@ def choose_chunk_size(
     for the whole batch): the largest that fits `budget`, measured by compiling it
     as the transformations around it run it, capped by the speed model
     (`_chunk_model.py`) at a smaller size that also fits as measured."""
-    program = _Program(run, tree)
+    program = ChunkedProgram(run, tree)
     limit = budget.resolve()
     base, layers = program.key()
     machine = (_chunk_model.backend(), _chunk_model.cache_bytes())  # the model reads
@@ -332,17 +298,21 @@ def choose_chunk_size(
     chosen = _chosen.get(choice_key) if base is not None else None
     if chosen is not None:
         return chosen
-    tried: dict[int, _Measured] = {}
+    tried: dict[int, Measured] = {}
     runs: dict[int, Callable[[], Any]] = {}  # to time, with `tune`
 
-    def _once(k: int, linearize: bool) -> _Measured:
+    def _once(k: int, linearize: bool) -> Measured | None:
         key = None if base is None else (base, k, linearize)
-        found = _measured.get(key) if key is not None else None
-        if found is None:
-            found, run = program.compile(None if k >= batch_size else k, linearize)
-            _remember(_measured, key, found)
-            if budget.tune and not linearize:  # the program that runs, to time
+        if key is not None and key in _measured:
+            return _measured[key]
+        chunk = None if k >= batch_size else k
+        if linearize:
+            found = linearisation(program, chunk)
+        else:
+            found, run = program.compile(chunk)
+            if budget.tune:  # the program that runs, to time
                 runs[k] = run
+        _remember(_measured, key, found)
         return found
 
     def _run_at(k: int) -> Callable[[], Any]:
@@ -352,21 +322,34 @@ def choose_chunk_size(
             runs[k] = program.compile(None if k >= batch_size else k)[1]
         return runs[k]
 
-    def _measure(k: int, full: bool = False) -> _Measured:
+    def _measure(k: int, full: bool = False) -> Measured:
         # Reverse mode runs as a pullback (`grad`) or a linearisation
-        # (`linearize`): both must fit, and the second is only worth compiling
-        # when the first does (or `full`, for what a size needs).
+        # (`linearize`, none where `fun` holds a `jax.custom_vjp`): both must
+        # fit, and the second is only worth compiling when the first does (or
+        # `full`, for what a size needs).
         if k not in tried or full:
             found = _once(k, False)
-            if has_reverse(layers) and (full or found.total <= limit):
-                found = max(found, _once(k, True), key=lambda m: m.total)
+            assert found is not None
+            if not has_reverse(layers) or full or found.total <= limit:
+                complete.add(k)
+                linear = _once(k, True) if has_reverse(layers) else None
+                if linear is not None:
+                    found = max(found, linear, key=lambda m: m.total)
             tried[k] = found
         return tried[k]
 
+    def _refusal() -> ValueError:
+        # What the smallest program measured needs, with both of its programs
+        # under reverse mode (the second may make another the smallest).
+        while (k := min(tried, key=lambda s: (tried[s].total, s))) not in complete:
+            _measure(k, True)
+        reverse = has_reverse(layers)
+        return _too_small(api, budget, limit, tried, batch_size, reverse)
+
+    complete: set[int] = set()  # sizes measured as every program they run
     sizes = _Sizes(batch_size, remainder)
-    too_small = lambda _: _too_small(api, budget, limit, _measure(1, True))  # noqa: E731
     # One size is kept back for the model's.
-    largest = _search(_measure, sizes, limit, too_small, lambda: len(tried) + 1)
+    largest = _search(_measure, sizes, limit, _refusal, lambda: len(tried) + 1)
     element = _element_bytes({s: m.total for s, m in tried.items()}, sizes)
     cap = _chunk_model.cache_cap(element)
     k = largest

@@ -3,6 +3,7 @@ search (`jax.jit` of the public transform at a fixed chunk size, compiled, read 
 `memory_analysis()`), and the check that a choice fits and is the speed model's
 size (the largest that fits, or on CPU one capped by the cache)."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -41,22 +42,27 @@ def nbytes(tree: Any) -> int:
 def derivative_bytes(fn: Callable[..., Any], p: Any, *rest: Any) -> int:
     """What a budget counts for `fn` differentiated w.r.t. its first argument, as
     `jax.grad`/`jax.linearize` run it: the larger of its pullback of a cotangent
-    and its linearisation applied to a tangent, plus the bytes of that cotangent
-    or tangent. Both are arguments of the compiled program, as a real loss's
-    cotangent is not a constant XLA could fold."""
+    computed from its outputs as a loss computes it (`ct * y`, with `ct` an
+    argument; the loss's value `sum(ct * y**2)` and `y` returned too, as by
+    `jax.value_and_grad(..., has_aux=True)`), and its linearisation applied to
+    a tangent plus the bytes of that tangent. Both come from arguments of the
+    compiled program, as a real loss's cotangent is not a constant XLA could
+    fold."""
     out = jax.eval_shape(fn, p, *rest)
     ct = jtu.tree_map(lambda o: np.zeros(o.shape, o.dtype), out)
 
     def _pullback(_ct: Any, _p: Any, *_rest: Any) -> Any:
         y, pullback = jax.vjp(lambda q: fn(q, *_rest), _p)
-        return y, pullback(_ct)
+        cotangent = jtu.tree_map(lambda c, o: c * o, _ct, y)
+        values = jtu.tree_map(lambda c, o: jnp.sum(c * o), cotangent, y)
+        return y, values, pullback(cotangent)
 
     def _linearised(_t: Any, _p: Any, *_rest: Any) -> Any:
         y, push = jax.linearize(lambda q: fn(q, *_rest), _p)
         return y, push(_t)
 
     return max(
-        compiled_bytes(_pullback, ct, p, *rest) + nbytes(ct),
+        compiled_bytes(_pullback, ct, p, *rest),
         compiled_bytes(_linearised, p, p, *rest) + nbytes(p),
     )
 
@@ -142,3 +148,35 @@ def check_largest(
 def nonlinear_element(x: Any) -> Any:
     """A `d x d` temporary per element, its output one row of it: non-linear."""
     return jnp.tanh(jnp.outer(x, x)) @ x
+
+
+def check_refusal(
+    message: str, bytes_at: Callable[[int | None], int], budget: int, batch_size: int
+) -> dict[int, int]:
+    """By the oracle: a refusal of a budget below the outputs names them and the
+    whole batch's bytes; any other lists the sizes it measured, none fits, and it
+    names the smallest as what the call needs. Under reverse mode a size whose
+    pullback does not fit is listed with the pullback's bytes alone (its
+    linearisation is not compiled), so those may fall short of the oracle's."""
+    assert "is too small for this call" in message
+    alone = re.search(
+        r"Its outputs alone need (\d+) bytes .* whole batch at once "
+        r"needs (\d+) bytes",
+        message,
+    )
+    if alone is not None:  # below the outputs, which no chunk size changes
+        outputs, whole = int(alone.group(1)), int(alone.group(2))
+        assert budget < outputs <= whole == bytes_at(None)
+        return {}
+    listed = re.search(r"were ((?:\d+: \d+(?:, )?)+): none fits", message)
+    assert listed is not None, message
+    pairs = (item.split(": ") for item in listed.group(1).split(", "))
+    measured = {int(k): int(b) for k, b in pairs}
+    at = lambda s: bytes_at(s if s < batch_size else None)  # noqa: E731
+    assert all(budget < b <= at(k) for k, b in measured.items())
+    needs = re.search(r"needs (\d+) bytes", message)
+    assert needs is not None
+    k = min(measured, key=lambda s: (measured[s], s))
+    assert int(needs.group(1)) == measured[k] == at(k)
+    assert f"Give a budget of at least {measured[k]} bytes" in message
+    return measured

@@ -19,10 +19,13 @@ import pytest
 from hypothesis import given, Phase, settings
 
 import filtered_chunk as fc
-from filtered_chunk._chunk_search import MAX_COMPILATIONS
+from filtered_chunk._budget import MemoryBudget
+from filtered_chunk._budget_program import Measured
+from filtered_chunk._chunk_search import _search, _Sizes, _too_small, MAX_COMPILATIONS
 
 from .budgets import (
     check_largest,
+    check_refusal,
     compiled_bytes,
     derivative_bytes,
     memory_analysis,
@@ -85,11 +88,15 @@ def _check_workload(w: Any, fraction: float, choices: list[Any]) -> None:
     budget = int(fraction * bytes_at(None))
     program = _workload_program(w, fc.MemoryBudget(budget))
     expected = _workload_program(w, None)(*args)
-    if bytes_at(None) > budget and bytes_at(1) > budget:
-        with pytest.raises(ValueError, match=f"needs {bytes_at(1)} bytes"):
-            program(*args)
+    try:
+        actual = program(*args)
+    except ValueError as error:
+        # Refused only where neither the whole batch nor one element fits (and
+        # no other size measured does).
+        assert bytes_at(None) > budget and bytes_at(1) > budget
+        check_refusal(str(error), bytes_at, budget, n)
         return
-    assert tree_allclose(program(*args), expected, rtol=1e-4, atol=1e-5)
+    assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
     (choice,) = choices
     check_largest(bytes_at, choice, budget, n)
     # Eagerly and under `jit` the same choice, from the cache: nothing compiled.
@@ -134,11 +141,13 @@ def test_random_pytrees_fit_the_budget(case):
     smallest = min(whole, bytes_at(1)) if n > 1 else whole
     budget = max(int(smallest * 0.9 + where * (whole - smallest * 0.9)), 1)
     expected = eqx.filter_vmap(_pytree_fun, in_axes=(0, None))(tree, 2.0)
-    if budget < smallest:
-        with pytest.raises(ValueError, match="is too small for this call"):
-            chunked(fc.MemoryBudget(budget))(tree, 2.0)
+    try:
+        choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), tree, 2.0)
+    except ValueError as error:
+        # Refused only below both ends (a size between may still fit).
+        assert budget < smallest
+        check_refusal(str(error), bytes_at, budget, n)
         return
-    choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), tree, 2.0)
     check_largest(bytes_at, choice, budget, n, remainder)
     assert tree_allclose(chunked(fc.MemoryBudget(budget))(tree, 2.0), expected)
 
@@ -158,12 +167,21 @@ def test_nothing_fits_says_what_the_smallest_chunk_needs(getkey):
         rf"`filter_chunked_vmap\(\.\.\., chunk_size=MemoryBudget\({needs - 1}\)\)`: "
         rf"the memory budget of {needs - 1} bytes .* is too small for this call\. "
         rf"Even one element per chunk .* needs {needs} bytes .* of which "
-        rf"{output_bytes} bytes are outputs.* Give a budget of at least {needs} bytes"
+        rf"{output_bytes} bytes \(.*\) are outputs.* Give a budget of at least "
+        rf"{needs} bytes"
     )
     with pytest.raises(ValueError, match=match):
         chunked(x)
     with pytest.raises(ValueError, match=match):
         eqx.filter_jit(chunked)(x)
+    # Below the outputs: refused at once, naming them.
+    below = fc.filter_chunked_vmap(mlp, chunk_size=fc.MemoryBudget(output_bytes - 1))
+    with count_compiles() as compiles:
+        with pytest.raises(
+            ValueError, match=rf"Its outputs alone need {output_bytes} "
+        ):
+            below(x)
+    assert len(compiles) <= 1  # the whole batch only (if not cached)
     # At exactly that many bytes, one element per chunk is chosen.
     exact = fc.MemoryBudget(needs)
     assert fc.suggest_chunk_size(fc.filter_chunked_vmap(mlp, chunk_size=exact), x)
@@ -282,3 +300,130 @@ def test_separate_remainder_chooses_the_largest_that_fits(batch_size):
         assert choice.largest == largest
         assert dict(choice.tried)[largest] == measured[largest]
         check_largest(bytes_at, choice, budget, batch_size, "separate")
+
+
+def _search_table(
+    bytes_at: Callable[[int], int], n: int, remainder: str, limit: int
+) -> tuple[int | None, dict[int, int], str]:
+    """`_search` over a table of bytes: the size it chooses (`None` where it
+    refuses), the sizes it measured, and its refusal."""
+    tried: dict[int, Measured] = {}
+
+    def _measure(k: int) -> Measured:
+        tried[k] = Measured(bytes_at(k), 0)
+        return tried[k]
+
+    def _refusal() -> ValueError:
+        return _too_small("f", MemoryBudget(limit), limit, tried, n)
+
+    try:
+        k = _search(
+            _measure, _Sizes(n, remainder), limit, _refusal, lambda: len(tried) + 1
+        )
+    except ValueError as error:
+        return None, {s: m.total for s, m in tried.items()}, str(error)
+    return k, {s: m.total for s, m in tried.items()}, ""
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_search_does_not_assume_one_element_is_the_smallest(remainder):
+    # Affine in the size, except that one element per chunk costs most (as a
+    # collective's staged program can) and the sizes that divide the batch cost
+    # less than their neighbours (as a derivative's program can): a budget that
+    # some size meets is not refused because one element does not (issue 23,
+    # item 7).
+    n = 40
+
+    def bytes_at(k: int) -> int:
+        return 50_000 if k == 1 else 10_000 + 1_000 * k - 3_000 * (n % k == 0)
+
+    sizes = _Sizes(n, remainder)
+    for limit in (bytes_at(2), bytes_at(4), bytes_at(8), bytes_at(10)):
+        k, tried, _ = _search_table(bytes_at, n, remainder, limit)
+        assert k is not None and tried[k] == bytes_at(k) <= limit
+        assert bytes_at(sizes.above(k)) > limit  # the largest that fits from there
+        assert len(tried) < MAX_COMPILATIONS
+    # Below every size: refused, naming every size measured and the smallest.
+    k, tried, message = _search_table(bytes_at, n, remainder, bytes_at(2) - 1)
+    assert k is None and min(tried.values()) == bytes_at(2)
+    measured = ", ".join(f"{s}: {b}" for s, b in sorted(tried.items()))
+    assert f"were {measured}: none fits" in message
+    smallest = "at 2 elements per chunk (rows or columns, for a Jacobian), needs"
+    assert f"{smallest} {bytes_at(2)} bytes" in message
+    assert f"Give a budget of at least {bytes_at(2)} bytes" in message
+
+
+def _normalised_kernel(x: Any) -> Any:
+    # Two collectives over the batch, then a `d x d` temporary per element.
+    z = (x - jax.lax.pmean(x, "i")) / jnp.sqrt(jax.lax.pmean(x**2, "i"))
+    return jnp.tanh(jnp.outer(z, z)) @ z
+
+
+def test_collectives_budget_met_above_one_element_per_chunk(getkey):
+    # With collectives, one element per chunk needs more than two or four do
+    # (issue 23, item 7): their budgets are met, not refused as too small.
+    x = jr.normal(getkey(), (200, 32), jnp.float64)  # the gradient sums 200 terms
+
+    def chunked(k: Any) -> Callable[..., Any]:
+        return fc.filter_chunked_vmap(_normalised_kernel, chunk_size=k, axis_name="i")
+
+    bytes_at = lambda k: compiled_bytes(chunked(k), x)  # noqa: E731
+    expected = eqx.filter_vmap(_normalised_kernel, axis_name="i")(x)
+    for budget in (bytes_at(2), bytes_at(4)):
+        choice = fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), x)
+        assert bytes_at(choice.chunk_size) == choice.bytes <= budget
+        assert tree_allclose(chunked(fc.MemoryBudget(budget))(x), expected)
+    # Under `grad` too: the user's own compiled program fits.
+    loss = lambda g: lambda _x: jnp.sum(g(_x) ** 2)  # noqa: E731
+    budget = derivative_bytes(chunked(2), x)
+    program = jax.grad(loss(chunked(fc.MemoryBudget(budget))))
+    assert compiled_bytes(program, x) <= budget
+    expected = jax.grad(loss(eqx.filter_vmap(_normalised_kernel, axis_name="i")))(x)
+    assert tree_allclose(jax.jit(program)(x), expected)
+    # Just above the outputs, below every program: refused, with what each size
+    # measured needs, chunks of two among them.
+    budget = x.nbytes + 1  # the output is like `x`
+    with pytest.raises(ValueError, match="too small") as info:
+        fc.suggest_chunk_size(chunked(fc.MemoryBudget(budget)), x)
+    measured = check_refusal(str(info.value), bytes_at, budget, 200)
+    assert 2 in measured
+
+
+def _mlp_losses(g: Callable[..., Any]) -> dict[str, Callable[..., Any]]:
+    """The user's programs of reverse mode through a chunked map `g(q, *rest)`,
+    differentiated with respect to `q`."""
+
+    def _with_predictions(q: Any, *rest: Any) -> Any:
+        y = g(q, *rest)
+        return jnp.sum(y**2), y
+
+    return {
+        "grad": jax.grad(lambda q, *rest: jnp.sum(g(q, *rest) ** 2)),
+        "linear grad": jax.grad(lambda q, *rest: jnp.sum(g(q, *rest))),
+        "value_and_grad": jax.value_and_grad(_with_predictions, has_aux=True),
+    }
+
+
+@pytest.mark.parametrize("wrt", ("inputs", "closed-over weights"))
+def test_under_grad_a_budget_met_above_one_element_per_chunk(wrt, getkey):
+    # Under `grad` the program at one element per chunk can need more than at
+    # a size that divides the batch (issue 23, item 7): here 3 of 33. Every
+    # value the user varies is an argument of their program.
+    w1, w2 = jr.normal(getkey(), (16, 64)), jr.normal(getkey(), (64, 16))
+    xs = jr.normal(getkey(), (33, 16))
+
+    def mapped(k: Any) -> Callable[..., Any]:
+        def _call(x: Any, w: Any, v: Any) -> Any:
+            f = lambda _x: jnp.tanh(jnp.tanh(_x @ w) @ v)  # noqa: E731
+            return fc.filter_chunked_vmap(f, chunk_size=k)(x)
+
+        if wrt == "inputs":
+            return _call
+        return lambda w, x, v: _call(x, w, v)
+
+    args = (xs, w1, w2) if wrt == "inputs" else (w1, xs, w2)
+    budget = derivative_bytes(mapped(3), *args)
+    oracle = _mlp_losses(mapped(None))
+    for name, program in _mlp_losses(mapped(fc.MemoryBudget(budget))).items():
+        assert compiled_bytes(program, *args) <= budget, name
+        assert tree_allclose(jax.jit(program)(*args), oracle[name](*args)), name
