@@ -36,7 +36,7 @@ from jaxtyping import Array, Int, PyTree
 from ._collectives import subjaxprs
 from ._custom_types import CheckpointSpec, ChunkFn, ChunkOutput, InputArray
 from ._derivatives import scan_chunks, slice_rest
-from ._jax_compat import varying_axes
+from ._jax_compat import varying_axes, without_const_values
 from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
 
@@ -143,6 +143,9 @@ def _convert(
     # dtype, weak type, sharding, varying manual axes.
     example = slice_inputs(inputs, in_axes, jnp.array(0), size)
     fn = eqx.filter_closure_convert(_chunk_arrays, example)
+    if hasattr(fn, "jaxpr"):
+        jaxpr = without_const_values(getattr(fn, "jaxpr"))
+        fn = eqx.tree_at(lambda f: getattr(f, "jaxpr"), fn, jaxpr)
     if not shapes:  # not traced (never so for a closure, which this is)
         eqx.filter_eval_shape(_chunk_arrays, example)
     return fn, shapes[0]

@@ -50,6 +50,21 @@ def varying_axes(struct: jax.ShapeDtypeStruct) -> tuple[str, ...]:
     return () if manual is None else tuple(manual.varying)
 
 
+# Version-dependent: from JAX 0.11 a `Jaxpr` holds the values of its constvars.
+def without_const_values(jaxpr: Any) -> Any:
+    """`jaxpr` with no values attached to its constvars (their number unchanged).
+
+    `eqx.filter_closure_convert` passes a function's constants itself, beside its
+    jaxpr; the copies that JAX 0.11 and later attach to the jaxpr are tracers of
+    the trace that made it, which a derivative rule holding the function would
+    keep alive after that trace ends (`jax.checking_leaks` reports them).
+    """
+    consts = getattr(jaxpr, "consts", None)
+    if not consts:
+        return jaxpr
+    return jaxpr.with_consts([None] * len(consts))
+
+
 # Internal: tracer classes and their fields. `jax.interpreters.ad` exports
 # `JVPTracer` only, but `jax.grad`, `jax.vjp` and `jax.linearize` trace with a
 # `LinearizeTracer`; an outer `vmap`'s `BatchTracer` is not exported either.

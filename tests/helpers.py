@@ -32,3 +32,14 @@ def count_compiles() -> Iterator[list[str]]:
         yield compiles
     finally:
         jax.monitoring.unregister_event_duration_listener(_listen)
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """`(num_consts, num_carry)` of a `scan` equation of a jaxpr: parameters of
+    their own up to JAX 0.10; from JAX 0.11, the sizes of the groups of its
+    `ft_in` (constants, carry, scanned inputs)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

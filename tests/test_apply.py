@@ -12,7 +12,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import scan_counts, tree_allclose
 
 
 CHUNK = 3
@@ -154,8 +154,8 @@ def test_reverse_loop_carries_no_batch_sized_array(getkey):
     loss = lambda p, x: jnp.sum(chunked(p, x, z, "s")[0]["h"] ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)
     (scan,) = _reverse_scans(jaxpr.jaxpr)
-    start = scan.params["num_consts"]
-    carries = scan.invars[start : start + scan.params["num_carry"]]
+    start, num_carry = scan_counts(scan)
+    carries = scan.invars[start : start + num_carry]
     assert all(37 not in v.aval.shape for v in carries)
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import scan_counts, tree_allclose
 from .meters import check_one_call, recorder
 
 
@@ -207,7 +207,7 @@ def test_reverse_loop_carries_no_batch_sized_array(remainder, getkey):
     # One loop, and with `"separate"` one more (of one step) for the remainder.
     assert len(scans) == (1 if remainder == "overlap" else 2)
     for scan in scans:
-        num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
+        num_consts, num_carry = scan_counts(scan)
         carries = scan.invars[num_consts : num_consts + num_carry]
         assert all(batch_size not in v.aval.shape for v in carries)
         param_shapes = {p.shape for p in params}
