@@ -17,9 +17,9 @@ from .helpers import tree_allclose
 
 
 N = 10
-# Chunk sizes around the batch of 10: one element, the balanced sizes of the
-# overlapping remainder (6 runs as 5), a leftover of one, the batch, past it.
-CHUNK_SIZES = (1, 2, 3, 4, 6, 9, 10, 11)
+# Chunk sizes around the batch of 10: one element, leftovers of one (3) and two
+# (4), a balanced size of the overlapping remainder (6 runs as 5), past the batch.
+CHUNK_SIZES = (1, 3, 4, 6, 11)
 REMAINDERS = ("overlap", "separate")
 XS = jnp.linspace(0.5, 2.0, N)
 
@@ -167,7 +167,7 @@ def _carried(kind):
 
 
 @pytest.mark.parametrize("kind", ("fori_loop", "scan", "while_loop", "cond"))
-@pytest.mark.parametrize("chunk_size", (1, 3, 9, 10))
+@pytest.mark.parametrize("chunk_size", (1, 3, 10))
 @pytest.mark.parametrize("remainder", REMAINDERS)
 def test_unmapped_output_carried_beside_a_mapped_value(kind, chunk_size, remainder):
     kwargs: dict[str, Any] = dict(in_axes=(0, None), out_axes=(0, None))
