@@ -15,7 +15,7 @@ program), `filter_chunked_vmap(..., chunk_size=fc.MemoryBudget(budget))`:
   size (powers of two and the workload's chunk sizes) that also fits, timed
   interleaved (target: within 1.10x);
 - time against the largest size that fits (what a budget chose before the speed
-  model of `filtered_chunk/_chunk_model.py`) and, at 1x, against `jax.vmap`
+  model of `filtered_chunk/_budget/_model.py`) and, at 1x, against `jax.vmap`
   itself, timed in the same rounds;
 - search cost: the first call of the jitted program with an empty cache (the
   search, the program's compilation and the run), and a repeat with a fresh
@@ -57,7 +57,7 @@ from _measure import compile_fn, CompileCounter, MIB
 from _workloads import Sizes, Workload, workloads
 
 import filtered_chunk as fc
-import filtered_chunk._chunk_search as search_module
+import filtered_chunk._budget._search as search_module
 
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,13 +6,11 @@ from ._budget import (
     MemoryBudget as MemoryBudget,
 )
 from ._chunked_vmap import filter_chunked_vmap as filter_chunked_vmap
-from ._filter_jacobian import (
-    filter_chunked_jacfwd as filter_chunked_jacfwd,
-    filter_chunked_jacrev as filter_chunked_jacrev,
-)
 from ._jacobian import (
     chunked_jacfwd as chunked_jacfwd,
     chunked_jacrev as chunked_jacrev,
+    filter_chunked_jacfwd as filter_chunked_jacfwd,
+    filter_chunked_jacrev as filter_chunked_jacrev,
 )
 from ._progress import (
     AbstractProgressMeter as AbstractProgressMeter,

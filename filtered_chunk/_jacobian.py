@@ -1,9 +1,10 @@
 """Jacobians built `chunk_size` rows (reverse mode) or columns (forward mode) at a
-time: `chunked_jacrev` and `chunked_jacfwd`."""
+time: `chunked_jacrev` and `chunked_jacfwd`, as JAX's, and `filter_chunked_jacrev`
+and `filter_chunked_jacfwd`, as Equinox's. A mode is one plan, for both forms."""
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any, ClassVar, overload
 
 import equinox as eqx
 import jax
@@ -47,26 +48,67 @@ from ._wrapper import (
 
 
 class AbstractJacobian(AbstractPlan):
-    """A Jacobian's plan: the arguments of `chunked_jacrev`/`chunked_jacfwd`
-    other than `fun` and the `ChunkOptions`. Its batch is the Jacobian's rows
-    (reverse mode) or columns, so a chunked call always runs a loop."""
+    """A Jacobian's plan: the arguments of its builder other than `fun` and the
+    `ChunkOptions`. Its batch is the Jacobian's rows (reverse mode) or columns, so
+    a chunked call always runs a loop. `filtered` is Equinox's form: the Jacobian
+    with respect to the floating-point arrays of the first argument."""
 
     argnums: Argnums
     has_aux: bool
     holomorphic: bool
     allow_int: bool = False
+    filtered: bool = False
+    # Reverse mode (rows, pulled back) or forward mode (columns, pushed forward).
+    rev: ClassVar[bool]
 
     def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
-        del fun, options
+        del fun
+        if self.filtered and not args:
+            raise TypeError(
+                f"`{options.api}` takes the function's first argument positionally "
+                "(the Jacobian is with respect to it), but got no positional "
+                "argument."
+            )
         return Bound((args, kwargs))
 
     def chunked(self, bound: Bound, chunk_size: int | None) -> bool:
         del bound
         return chunk_size is not None
 
-    def _dynamic(self, fun: Callable[..., Any], options: ChunkOptions, bound: Bound):
+    def _dynamic(
+        self, fun: Callable[..., Any], options: ChunkOptions, bound: Bound
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], tuple[int, ...]]:
+        """`fun` as a function of the differentiated arguments, those arguments
+        and their positions."""
         args, kwargs = bound.tree
-        return dynamic_args(fun, self.argnums, args, kwargs, options.api)
+        if not self.filtered:
+            return dynamic_args(fun, self.argnums, args, kwargs, options.api)
+        # Equinox's: the first argument's floating-point arrays (its other leaves
+        # get `None` in the Jacobian); the other arguments are passed through.
+        diff_x, static_x = eqx.partition(args[0], eqx.is_inexact_array)
+
+        def _fun(_diff_x: Any) -> Any:
+            return fun(eqx.combine(_diff_x, static_x), *args[1:], **kwargs)
+
+        return _fun, (diff_x,), (0,)
+
+    def _checked(
+        self, fun: Callable[..., Any], options: ChunkOptions, bound: Bound
+    ) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """`_dynamic`'s function and arguments, their dtypes checked as JAX does."""
+        f, dynamic, nums = self._dynamic(fun, options, bound)
+        names = [f"args[{n}]" for n in nums]
+        rule = inputs_rule(self.holomorphic, self.allow_int, rev=self.rev)
+        check_dtypes(dynamic, names, rule, "the input", options.api)
+        return f, dynamic
+
+    def _check_output(self, y: Any, options: ChunkOptions) -> None:
+        rule = outputs_rule(self.holomorphic, rev=self.rev)
+        check_dtypes((y,), ["output"], rule, "the output", options.api)
+
+    def _example(self, dynamic: tuple[Any, ...]) -> Any:
+        """The differentiated arguments as the Jacobian's leaves are shaped."""
+        return dynamic[0] if isinstance(self.argnums, int) else dynamic
 
 
 def _over_indices(
@@ -83,6 +125,8 @@ def _over_indices(
 
 
 class JacrevPlan(AbstractJacobian):
+    rev: ClassVar[bool] = True
+
     def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
         f, dynamic, _ = self._dynamic(fun, options, bound)
         out = jax.eval_shape(f, *dynamic)
@@ -92,13 +136,9 @@ class JacrevPlan(AbstractJacobian):
     def evaluate(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
     ) -> Any:
-        f, dynamic, nums = self._dynamic(fun, options, bound)
-        names = [f"args[{n}]" for n in nums]
-        rule = inputs_rule(self.holomorphic, self.allow_int, rev=True)
-        check_dtypes(dynamic, names, rule, "the input", options.api)
+        f, dynamic = self._checked(fun, options, bound)
         y, pullback, *aux = jax.vjp(f, *dynamic, has_aux=self.has_aux)
-        rule = outputs_rule(self.holomorphic, rev=True)
-        check_dtypes((y,), ["output"], rule, "the output", options.api)
+        self._check_output(y, options)
 
         def _rows(index: Int[Array, " size"], size: int) -> ChunkOutput:
             del size
@@ -109,13 +149,13 @@ class JacrevPlan(AbstractJacobian):
 
         _, total = offsets(y)
         rows = _over_indices(_rows, total, chunk_size, options).batched
-        example = dynamic[0] if isinstance(self.argnums, int) else dynamic
         rows = rows[0] if isinstance(self.argnums, int) else rows
 
         def _unravel_rows(x: Any, block: Any) -> Any:
             shape = lambda leaf: np.shape(leaf) + np.shape(x)
             return unravel(block, y, x, 0, shape)
 
+        example = self._example(dynamic)
         jac = jtu.tree_map(_unravel_rows, example, rows)
         treedefs = jtu.tree_structure(example), jtu.tree_structure(y)
         jac = jtu.tree_transpose(*treedefs, jac)
@@ -123,6 +163,8 @@ class JacrevPlan(AbstractJacobian):
 
 
 class JacfwdPlan(AbstractJacobian):
+    rev: ClassVar[bool] = False
+
     def budget_size(self, fun: Fun, options: ChunkOptions, bound: Bound) -> int:
         _, dynamic, _ = self._dynamic(fun, options, bound)
         return offsets(dynamic)[1]
@@ -130,10 +172,7 @@ class JacfwdPlan(AbstractJacobian):
     def evaluate(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
     ) -> Any:
-        f, dynamic, nums = self._dynamic(fun, options, bound)
-        names = [f"args[{n}]" for n in nums]
-        rule = inputs_rule(self.holomorphic, allow_int=False, rev=False)
-        check_dtypes(dynamic, names, rule, "the input", options.api)
+        f, dynamic = self._checked(fun, options, bound)
         has_aux = self.has_aux
 
         def _columns(index: Int[Array, " size"], size: int) -> ChunkOutput:
@@ -153,9 +192,8 @@ class JacfwdPlan(AbstractJacobian):
         _, total = offsets(dynamic)
         out = _over_indices(_columns, total, chunk_size, options)
         y, aux = eqx.combine(out.unbatched, unwrap_kept(out.static))
-        rule = outputs_rule(self.holomorphic, rev=False)
-        check_dtypes((y,), ["output"], rule, "the output", options.api)
-        example = dynamic[0] if isinstance(self.argnums, int) else dynamic
+        self._check_output(y, options)
+        example = self._example(dynamic)
 
         def _unravel_columns(y_leaf: Any, block: Any) -> Any:
             shape = lambda leaf: np.shape(y_leaf) + np.shape(leaf)
@@ -387,3 +425,175 @@ def chunked_jacfwd(
         "chunked_jacfwd", chunk_size, remainder, checkpoint, progress_meter
     )
     return wrap(fun, JacfwdPlan(argnums, has_aux, holomorphic), options)
+
+
+@overload
+def filter_chunked_jacrev(
+    *,
+    chunk_size: ChunkSizeSpec = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_chunked_jacrev(
+    fun: Callable[..., Any],
+    *,
+    chunk_size: ChunkSizeSpec = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[..., Any]: ...
+
+
+@keyword_only("filter_chunked_jacrev", 1, ("has_aux",), "equinox.filter_jacrev")
+@jaxtyped(typechecker=beartype)
+def filter_chunked_jacrev(
+    fun: Callable[..., Any] = sentinel,
+    *,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
+    has_aux: bool = False,
+    remainder: str = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[..., Any]:
+    """As `equinox.filter_jacrev`, with the Jacobian built `chunk_size` rows at a
+    time: see [`filtered_chunk.chunked_jacrev`][].
+
+    The Jacobian is taken with respect to the floating-point arrays of the first
+    argument (for example the parameters of an `equinox.Module`); its other leaves
+    get `None`. The remaining arguments are passed through.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate, returning real arrays.
+    - `chunk_size`: keyword-only. The number of rows (elements of the flattened
+        output) computed per step; `None` (the default) computes them all at once.
+        Or a memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
+        largest chunk size whose compiled program fits it is chosen.
+    - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
+    - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
+        default) or `"separate"`.
+    - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
+        each chunk when the Jacobian is itself differentiated in reverse mode.
+        `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the rows done while the call
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
+
+    **Returns:**
+
+    A function with the signature of `fun`, returning what `equinox.filter_jacrev`
+    would.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import filtered_chunk as fc
+
+        model = eqx.nn.Linear(3, 100, key=jr.key(0))
+        x = jnp.ones(3)
+        jacobian = fc.filter_chunked_jacrev(lambda m, x: m(x), chunk_size=32)(model, x)
+        assert jacobian.weight.shape == (100, 100, 3)
+        expected = eqx.filter_jacrev(lambda m, x: m(x))(model, x)
+        assert jnp.allclose(jacobian.weight, expected.weight)
+        ```
+    """
+    if fun is sentinel:
+        return deferred(filter_chunked_jacrev, locals())
+    options = ChunkOptions(
+        "filter_chunked_jacrev", chunk_size, remainder, checkpoint, progress_meter
+    )
+    return wrap(fun, JacrevPlan(0, has_aux, False, filtered=True), options)
+
+
+@overload
+def filter_chunked_jacfwd(
+    *,
+    chunk_size: ChunkSizeSpec = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_chunked_jacfwd(
+    fun: Callable[..., Any],
+    *,
+    chunk_size: ChunkSizeSpec = None,
+    has_aux: bool = False,
+    remainder: Remainder = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[..., Any]: ...
+
+
+@keyword_only("filter_chunked_jacfwd", 1, ("has_aux",), "equinox.filter_jacfwd")
+@jaxtyped(typechecker=beartype)
+def filter_chunked_jacfwd(
+    fun: Callable[..., Any] = sentinel,
+    *,
+    chunk_size: Any = None,  # checked: see `ChunkSizeSpec`
+    has_aux: bool = False,
+    remainder: str = "overlap",
+    checkpoint: CheckpointSpec = True,
+    progress_meter: AbstractProgressMeter | None = None,
+) -> Callable[..., Any]:
+    """As `equinox.filter_jacfwd`, with the Jacobian built `chunk_size` columns at
+    a time: see [`filtered_chunk.chunked_jacfwd`][].
+
+    The Jacobian is taken with respect to the floating-point arrays of the first
+    argument (for example the parameters of an `equinox.Module`); its other leaves
+    get `None`. The remaining arguments are passed through.
+
+    **Arguments:**
+
+    - `fun`: the function to differentiate.
+    - `chunk_size`: keyword-only. The number of columns (elements of the flattened
+        floating-point arrays of the first argument) computed per step; `None` (the
+        default) computes them all at once. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
+        program fits it is chosen.
+    - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
+    - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
+        default) or `"separate"`.
+    - `checkpoint`: keyword-only. As for `filter_chunked_vmap`: rematerialise
+        each chunk when the Jacobian is itself differentiated in reverse mode.
+        `True` (the default), `False`, or a `jax.checkpoint_policies` policy.
+    - `progress_meter`: keyword-only. Reports the columns done while the call
+        runs, also under `jax.jit`: {meters} See the [guide on progress][progress].
+
+    **Returns:**
+
+    A function with the signature of `fun`, returning what `equinox.filter_jacfwd`
+    would.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax.numpy as jnp
+        import jax.random as jr
+        import filtered_chunk as fc
+
+        model = eqx.nn.Linear(30, 2, key=jr.key(0))
+        x = jnp.ones(30)
+        jacobian = fc.filter_chunked_jacfwd(lambda m, x: m(x), chunk_size=16)(model, x)
+        expected = eqx.filter_jacfwd(lambda m, x: m(x))(model, x)
+        assert jnp.allclose(jacobian.weight, expected.weight)
+        ```
+    """
+    if fun is sentinel:
+        return deferred(filter_chunked_jacfwd, locals())
+    options = ChunkOptions(
+        "filter_chunked_jacfwd", chunk_size, remainder, checkpoint, progress_meter
+    )
+    return wrap(fun, JacfwdPlan(0, has_aux, False, filtered=True), options)

@@ -6,7 +6,7 @@ a [`Chunked`][] module holding `fun`, the transform's *plan* and the
 
 1. `plan.bind`: the call's arguments bound once (with their axes, the batch size
    and, for a map, the mesh axes the batch is split over);
-2. the budget, if `chunk_size` is one, resolved to an integer (`_chunk_search.py`,
+2. the budget, if `chunk_size` is one, resolved to an integer (`_budget/_search.py`,
    which caches the choice on the traced program);
 3. the progress meter's error context, if the call reports;
 4. the eager path: outside `jit`, a chunked call runs as one compiled program
@@ -39,12 +39,12 @@ from ._axes import (
 )
 from ._boundary import api_boundary
 from ._budget import (
+    choose_chunk_size,
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
     MemoryBudget,
     normalise_chunk_size,
 )
-from ._chunk_search import choose_chunk_size
 from ._chunking import run_in_chunks
 from ._collectives import NONE, schedule_collectives, STAGED, WHOLE
 from ._custom_types import (

@@ -14,9 +14,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 import filtered_chunk as fc
-from filtered_chunk import _chunk_model
-from filtered_chunk._chunk_model import CACHE_FACTOR, MIN_CHUNK
-from filtered_chunk._chunk_search import MAX_COMPILATIONS
+from filtered_chunk._budget import _model
+from filtered_chunk._budget._model import CACHE_FACTOR, MIN_CHUNK
+from filtered_chunk._budget._search import MAX_COMPILATIONS
 
 
 def memory_analysis(fn: Callable[..., Any], *args: Any) -> Any:
@@ -93,7 +93,7 @@ def model_size(choice: fc.ChunkSizeChoice, batch_size: int, remainder: str) -> i
     `CACHE_FACTOR` times the level-2 cache, or the smallest of at least
     `MIN_CHUNK` elements where that is fewer; else the largest that fits."""
     # The machine the model reads (faked by `tests/test_budget_model.py`).
-    backend, cache = _chunk_model.backend(), _chunk_model.cache_bytes()
+    backend, cache = _model.backend(), _model.cache_bytes()
     if choice.model == "largest":
         assert choice.cache_bytes is None
         # Not on CPU, or one element overflows the cache.

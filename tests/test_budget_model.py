@@ -1,4 +1,4 @@
-"""The speed model of a memory budget (`filtered_chunk/_chunk_model.py`): among
+"""The speed model of a memory budget (`filtered_chunk/_budget/_model.py`): among
 the sizes that fit, on CPU a size whose working set stays in a (here faked)
 level-2 cache, else the largest; on other backends the largest. Every choice is
 checked against the memory oracle of `tests/budgets.py` (the public transform at
@@ -12,8 +12,8 @@ import jax.random as jr
 import pytest
 
 import filtered_chunk as fc
-import filtered_chunk._chunk_model as model
-import filtered_chunk._chunk_search as search
+import filtered_chunk._budget._model as model
+import filtered_chunk._budget._search as search
 
 from .budgets import check_largest, compiled_bytes, derivative_bytes
 from .helpers import count_compiles, tree_allclose

@@ -20,8 +20,8 @@ from hypothesis import given, Phase, settings
 
 import filtered_chunk as fc
 from filtered_chunk._budget import MemoryBudget
-from filtered_chunk._budget_program import Measured
-from filtered_chunk._chunk_search import _search, _Sizes, _too_small, MAX_COMPILATIONS
+from filtered_chunk._budget._program import Measured
+from filtered_chunk._budget._search import _search, _Sizes, _too_small, MAX_COMPILATIONS
 
 from .budgets import (
     check_largest,

@@ -1,5 +1,5 @@
 """`MemoryBudget(..., tune=True)`: the fastest of a few sizes that fit, timed
-(`filtered_chunk/_chunk_timing.py`). The timer is faked where a test needs a
+(`filtered_chunk/_budget/_timing.py`). The timer is faked where a test needs a
 given winner; every size timed is checked against the memory oracle of
 `tests/budgets.py` and the results against `jax.vmap`'s."""
 
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import filtered_chunk as fc
-import filtered_chunk._chunk_model as model
-import filtered_chunk._chunk_search as search
-import filtered_chunk._chunk_timing as timing
+import filtered_chunk._budget._model as model
+import filtered_chunk._budget._search as search
+import filtered_chunk._budget._timing as timing
 
 from .budgets import compiled_bytes, derivative_bytes
 from .helpers import tree_allclose

@@ -36,7 +36,7 @@ def test_budget_formats(size, expected):
 
 
 def test_fractions_of_free_memory(monkeypatch):
-    import filtered_chunk._budget as budget_module
+    import filtered_chunk._budget._values as budget_module
 
     monkeypatch.setattr(budget_module, "available_bytes", lambda: 10 * 2**30)
     assert fc.MemoryBudget(0.5).resolve() == 5 * 2**30

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 import filtered_chunk as fc
-import filtered_chunk._budget as budget_module
-import filtered_chunk._free_memory as free_memory
+import filtered_chunk._budget._free_memory as free_memory
+import filtered_chunk._budget._values as budget_module
 
 
 GIB = 2**30

@@ -1,6 +1,6 @@
 """Memory budgets as a `chunk_size`: `MemoryBudget`, `"auto"`, what the device has
 free, and what a search reports (`ChunkSizeChoice`). The search for the chunk size
-is in `_chunk_search.py`; `suggest_chunk_size` in `_suggest.py`."""
+is in `_search.py`; `suggest_chunk_size` in `filtered_chunk/_suggest.py`."""
 
 import math
 import operator

@@ -8,7 +8,7 @@ jumps: the whole batch is one `vmap`, and with `remainder="separate"` a size
 above half the batch runs one chunk and the remainder side by side (XLA unrolls
 a loop of one step). So the chunk size is searched by compiling the call on
 abstract shapes (`jax.jit(...).lower(...).compile().memory_analysis()`), never
-by running it, as the transformations around it run it (`_budget_program.py`):
+by running it, as the transformations around it run it (`_program.py`):
 the whole batch first (if it fits, nothing is chunked), then one element per
 chunk, then each range from the largest down: its ends, and if only its
 smallest size fits, sizes in between guessed by secant interpolation, each guess
@@ -19,7 +19,7 @@ more there than at a few elements, issue 23, item 7): where no range's ends
 fit, a few sizes across the smallest range are measured (`_probes`) before the
 budget is refused, and the refusal lists every size measured. That finds the
 largest size measured to fit whose next size up measurably does not; the speed model
-(`_chunk_model.py`) may then cap it at a smaller size, which runs only if it too
+(`_model.py`) may then cap it at a smaller size, which runs only if it too
 is measured to fit, all within `MAX_COMPILATIONS` sizes. Measurements are cached
 on the traced program (as `_eager.py` keys compiled programs), choices on that
 and the machine the model reads, so a repeated call compiles nothing for the
@@ -32,15 +32,15 @@ from typing import Any
 
 from jaxtyping import PyTree
 
-from . import _chunk_model, _chunk_timing
-from ._budget import ChunkSizeChoice, format_bytes, MemoryBudget
-from ._budget_program import ChunkedProgram, has_reverse, linearisation, Measured
+from . import _model, _timing
+from ._program import ChunkedProgram, has_reverse, linearisation, Measured
+from ._values import ChunkSizeChoice, format_bytes, MemoryBudget
 
 
 # A search measures at most this many sizes: the whole batch, one element, the
 # ends of each further segment of sizes (`_segments`), then pairs of guesses (or,
 # where no end fits, `_probes`), and one more for the speed model's size
-# (`_chunk_model.py`). Each size compiles one program; under a reverse-mode
+# (`_model.py`). Each size compiles one program; under a reverse-mode
 # transformation, two when the first fits (`choose_chunk_size`).
 MAX_COMPILATIONS = 12
 
@@ -138,7 +138,7 @@ def _too_small(
     )
 
 
-# What the measurement of a backward pass assumes (`_budget_program.py`).
+# What the measurement of a backward pass assumes (`_program.py`).
 _ASSUMED = (
     " Under reverse mode each size is measured as the larger of two programs, "
     "since `jax.grad` and `jax.linearize` cannot be told apart when the call is "
@@ -272,7 +272,7 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
     (the smallest size from there up, where rounding to a balanced size falls
     below)."""
     k = sizes.at_most(min(cap, _segments(sizes)[-1][1]))
-    return k if k >= _chunk_model.MIN_CHUNK else sizes.above(_chunk_model.MIN_CHUNK - 1)
+    return k if k >= _model.MIN_CHUNK else sizes.above(_model.MIN_CHUNK - 1)
 
 
 def choose_chunk_size(
@@ -288,11 +288,11 @@ def choose_chunk_size(
     """The chunk size to run `run(chunk_size, tree)` at (the chunked call; `None`
     for the whole batch): the largest that fits `budget`, measured by compiling it
     as the transformations around it run it, capped by the speed model
-    (`_chunk_model.py`) at a smaller size that also fits as measured."""
+    (`_model.py`) at a smaller size that also fits as measured."""
     program = ChunkedProgram(run, tree)
     limit = budget.resolve()
     base, layers = program.key()
-    machine = (_chunk_model.backend(), _chunk_model.cache_bytes())  # the model reads
+    machine = (_model.backend(), _model.cache_bytes())  # the model reads
     base = None if base is None else (base, batch_size, remainder, options)
     choice_key = (base, limit, budget.tune, machine)
     chosen = _chosen.get(choice_key) if base is not None else None
@@ -351,7 +351,7 @@ def choose_chunk_size(
     # One size is kept back for the model's.
     largest = _search(_measure, sizes, limit, _refusal, lambda: len(tried) + 1)
     element = _element_bytes({s: m.total for s, m in tried.items()}, sizes)
-    cap = _chunk_model.cache_cap(element)
+    cap = _model.cache_cap(element)
     k = largest
     capped = largest if cap is None or cap >= largest else _model_size(sizes, cap)
     # The model's size, if it fits as measured (else the largest), within the
@@ -362,9 +362,9 @@ def choose_chunk_size(
     times: dict[int, float] = {}
     if budget.tune:
         # Sizes from half the model's to the largest, each measured to fit.
-        ladder = _chunk_timing.ladder(max(k // 2, 1), largest, sizes.at_most)
+        ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
         fitting = [s for s in sorted({*ladder, k}) if _measure(s).total <= limit]
-        times = _chunk_timing.time_each({s: _run_at(s) for s in fitting})
+        times = _timing.time_each({s: _run_at(s) for s in fitting})
         k = min(times, key=lambda s: (times[s], s))
     chosen = ChunkSizeChoice(
         k,

@@ -1,6 +1,6 @@
 """Timing the chunk sizes that fit a budget: `MemoryBudget(..., tune=True)`.
 
-The speed model (`_chunk_model.py`) reads bytes, which cannot see everything that
+The speed model (`_model.py`) reads bytes, which cannot see everything that
 sets the speed: an MLP's weights, say, are reused by every element of a chunk, so
 its gradient ran fastest at chunks several times the model's size
 (`benchmarks/budget.py`, workload (f)). Timing settles it on the machine at hand:

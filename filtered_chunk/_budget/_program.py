@@ -52,9 +52,9 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _chunk_timing
-from ._eager import program_key
-from ._jax_compat import transformations_tracing
+from .._eager import program_key
+from .._jax_compat import transformations_tracing
+from . import _timing
 
 
 Program = Callable[[list[Any]], list[Any]]
@@ -262,9 +262,9 @@ class ChunkedProgram:
     ) -> tuple[Measured, Callable[[], Any]]:
         """XLA's temporary and output bytes of the call at chunk size `k` as the
         transformations around it run it (reverse mode as a linearisation if
-        `linearize`), plus the bytes they feed in (`_budget_program.py`); and a
+        `linearize`), plus the bytes they feed in (`_program.py`); and a
         function that runs the compiled program on example arguments
-        (`_chunk_timing.py`), made on its first call."""
+        (`_timing.py`), made on its first call."""
         closed = self.trace(k)
         consts = list(closed.consts)
         layers = layers_of([*consts, *self.leaves])
@@ -287,9 +287,7 @@ class ChunkedProgram:
         def _run() -> Any:
             if not arguments:
                 known = [*consts, *self.leaves]
-                examples = _chunk_timing.example_arguments(
-                    structs, known, self.examples
-                )
+                examples = _timing.example_arguments(structs, known, self.examples)
                 arguments.append(examples)
             return compiled(arguments[0])
 
