@@ -7,6 +7,7 @@ the machine's load hits every peer alike and the ratios stay meaningful.
 """
 
 import math
+import platform
 import re
 import statistics
 import time
@@ -125,7 +126,7 @@ def _hlo_instructions(executable: Any) -> int:
     return len(re.findall(r"^\s+(?:ROOT )?%\S+ = ", executable.as_text(), re.M))
 
 
-def _time_interleaved(
+def time_interleaved(
     executables: dict[str, Any], args: tuple[Any, ...], warmup: int, repeats: int
 ) -> dict[str, list[float]]:
     keys = list(executables)
@@ -179,7 +180,7 @@ def measure_config(
         if executable is not None:
             executables[peer.key] = executable
     del ref
-    for key, times in _time_interleaved(executables, args, warmup, repeats).items():
+    for key, times in time_interleaved(executables, args, warmup, repeats).items():
         rows[key]["time_s"] = statistics.median(times)
         # Each round's time, in the same order for every peer: paired ratios.
         rows[key]["times_s"] = [round(t, 6) for t in times]
@@ -230,3 +231,15 @@ def jit_repeated_calls(w: Workload, peer: Peer, k: int, counter: CompileCounter)
         jax.block_until_ready(jitted(*args))
     after = counter.snapshot()
     return {"traces": after[0] - before[0], "compiles": after[1] - before[1]}
+
+
+def cpu_model() -> str:
+    """The machine's CPU model, for a benchmark's header."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -34,6 +34,7 @@ from _report import (
     targets_table,
 )
 from _runner import (
+    cpu_model,
     eager_calls,
     jit_repeated_calls,
     measure_config,
@@ -49,17 +50,6 @@ QUICK_SCALING = ("fc", "vmap", "lax_map")
 REFINED = ("fc", "fc_separate", "vmap", "lax_map")
 PERFORMANCE_PAGE = Path("docs") / "performance.md"
 README = Path("benchmarks") / "README.md"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _netket_version() -> str | None:
@@ -80,7 +70,7 @@ def _meta(command: str, quick: bool) -> dict[str, Any]:
         "command": command,
         "mode": "quick" if quick else "full",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{_cpu_model()}, {os.cpu_count()} cores; JAX backend "
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores; JAX backend "
         + _device_name(device),
         "versions": f"jax {jax.__version__}, equinox {eqx.__version__}, "
         f"python {platform.python_version()}"
