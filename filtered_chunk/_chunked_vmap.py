@@ -36,6 +36,7 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._progress import AbstractProgressMeter
+from ._summed import as_sums, merge_varying, split_varying
 from ._wrapper import (
     AbstractMappedPlan,
     Batch,
@@ -93,6 +94,7 @@ def _split_output(
 
 class _VmapPlan(AbstractMappedPlan):
     sharded: ClassVar[bool] = True
+    sum_match: bool = False
 
     def evaluate(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
@@ -104,15 +106,21 @@ class _VmapPlan(AbstractMappedPlan):
                 fun, self.out_axes, static, mapped, batch_known=False
             )
             return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
+        chunk = ft.partial(
+            _chunk, self.out_axes, bound.in_axes, options.axis_name, self.sum_match
+        )
         batch = Batch(
-            ft.partial(_chunk, self.out_axes, bound.in_axes, options.axis_name),
+            chunk,
             (fun, static),
             mapped,
             bound.in_axes,
             bound.batch_size,
             element=ft.partial(_element, self.out_axes),
+            sum_match=self.sum_match,
         )
         out = run_batch(batch, chunk_size, options, bound.sharding)
+        if self.sum_match:
+            return _with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
 
@@ -138,13 +146,14 @@ def _chunk(
     out_axes: Any,
     in_axes: Any,
     axis_name: Hashable | None,
+    sum_match: bool,
     closed: Any,
     mapped: Any,
     size: int,
 ) -> ChunkOutput:
     fun, static = closed
     element = ft.partial(_evaluate, fun, out_axes, static)
-    return _chunk_fn(element, in_axes, axis_name, mapped, size)
+    return _chunk_fn(element, in_axes, axis_name, mapped, size, sum_match)
 
 
 def _chunk_fn(
@@ -153,27 +162,45 @@ def _chunk_fn(
     axis_name: Hashable | None,
     mapped: Any,
     size: int,
+    sum_match: bool = False,
 ) -> ChunkOutput:
-    """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes."""
-    paths: list[str] = []
+    """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes.
 
-    def _flat_unmapped(_mapped: Any) -> tuple[Any, ...]:
+    With `sum_match`, the unmapped outputs that vary over the batch are rows of
+    sums that the loop accumulates (`_summed.py`), after the mapped outputs in
+    `batched`; `_with_sums` puts them back in their places.
+    """
+    paths: list[str] = []
+    varies: list[bool] = []
+
+    # What tells an output that varies (`_summed.py`): a mapped input, sharded like
+    # the batch; with none, the elements' positions.
+    mapped_leaves = jtu.tree_leaves(mapped)
+    positions = (jnp.arange(int(size)),) if sum_match and not mapped_leaves else ()
+
+    def _flat_unmapped(_mapped: Any, *_positions: Any) -> tuple[Any, ...]:
         # The unmapped arrays go first, as a flat list: JAX's key path for an
         # output that varies is off once the output holds `None`s, its index is not.
         _out_mapped, _out_unmapped, _static = run_tagged(element, _mapped)
         leaves, treedef = jtu.tree_flatten_with_path(_out_unmapped)
         paths[:] = [describe("output", path) for path, _ in leaves]
-        return [x for _, x in leaves], _out_mapped, _static, Static(treedef)
+        flat, summed = [x for _, x in leaves], []
+        if sum_match:
+            marker = (*jtu.tree_leaves(_mapped), *_positions)[0]
+            summed, flat, varies[:] = split_varying(flat, marker)
+        return flat, _out_mapped, summed, _static, Static(treedef)
 
     vmapped = jax.vmap(
         _flat_unmapped,
-        in_axes=(in_axes,),
-        out_axes=(None, 0, None, None),
+        in_axes=(in_axes,) + (0,) * len(positions),
+        out_axes=(None, 0, 0, None, None),
         axis_name=axis_name,
         axis_size=size,
     )
     try:
-        unmapped_leaves, out_mapped, static, treedef = vmapped(mapped)
+        unmapped_leaves, out_mapped, summed, static, treedef = vmapped(
+            mapped, *positions
+        )
     except ValueError as e:
         path = batched_none_path(e)
         if path is None:
@@ -181,8 +208,11 @@ def _chunk_fn(
         index = path[1] if len(path) == 2 and path[0] == 0 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
         raise varying_unmapped(_API, where) from None
-    out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
+    if sum_match:
+        where = (list(varies), treedef.value)
+        return _summed_output(out_mapped, static, summed, unmapped_leaves, where)
     out_static, out_axes = static.value
+    out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     # What no trace computed is returned as it is (`jax.vmap` does the same).
     out_unmapped, kept = keep_untraced(out_unmapped)
     out_static = eqx.combine(out_static, kept)
@@ -190,6 +220,35 @@ def _chunk_fn(
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
     return ChunkOutput(out_mapped, axes, out_unmapped, out_static)
+
+
+def _summed_output(
+    out_mapped: Any, static: Any, summed: list[Any], unmapped: list[Any], where: Any
+) -> ChunkOutput:
+    """`_chunk_fn`'s output with `sum_match`: the unmapped leaves flat, the summed
+    ones accumulated after the mapped ones (`where`: which varied, and the
+    unmapped outputs' tree)."""
+    out_static, out_axes = static.value
+    axes = tuple(jtu.tree_leaves(out_axes))
+    moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
+    summed = as_sums(summed)
+    # What no trace computed is returned as it is (`jax.vmap` does the same).
+    rest, kept = keep_untraced(list(unmapped))
+    batched = (jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved), summed)
+    kinds = (None,) * len(axes) + ("sum",) * len(summed)
+    static = Static((out_static, kept, *where))
+    return ChunkOutput(batched, axes + (0,) * len(summed), rest, static, kinds)
+
+
+def _with_sums(out: ChunkOutput) -> Any:
+    """`filter_chunked_vmap`'s output from `_summed_output`'s, once summed."""
+    (out_mapped, summed), (out_static, kept, varies, treedef) = (
+        out.batched,
+        out.static.value,
+    )
+    rest = [x if k is None else k for x, k in zip(out.unbatched, kept, strict=True)]
+    out_unmapped = jtu.tree_unflatten(treedef, merge_varying(varies, summed, rest))
+    return unwrap_kept(eqx.combine(out_mapped, out_unmapped, out_static))
 
 
 @overload
@@ -204,6 +263,7 @@ def filter_chunked_vmap(
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
+    sum_match: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -220,6 +280,7 @@ def filter_chunked_vmap(
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
+    sum_match: bool = False,
 ) -> Callable[..., Any]: ...
 
 
@@ -237,6 +298,7 @@ def filter_chunked_vmap(
     checkpoint: CheckpointSpec = True,
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
+    sum_match: bool = False,
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -305,6 +367,13 @@ def filter_chunked_vmap(
         runs, also under `jax.jit`: {meters} Only a call split into chunks
         reports. See the [guide on progress][progress]. With a sharded batch, one
         meter counts every device's elements.
+    - `sum_match`: keyword-only. As for `jax.vmap`: an array output marked
+        `out_axes=None` that varies over the batch is summed over it (in
+        `jnp.sum`'s dtype), instead of raising; one that does not vary is
+        returned as it is. Chunked, the sum is accumulated across chunks, so it
+        costs its own size, never the batch's (see the recipe on
+        [per-example gradients][per-example-gradients-summed-in-one-map]).
+        Defaults to `False`.
 
     **Returns:**
 
@@ -358,4 +427,4 @@ def filter_chunked_vmap(
         axis_name,
         spmd_axis_name,
     )
-    return wrap(fun, _VmapPlan(in_axes, out_axes, axis_size), options)
+    return wrap(fun, _VmapPlan(in_axes, out_axes, axis_size, sum_match), options)

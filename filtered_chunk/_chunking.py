@@ -33,11 +33,11 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from ._accumulate import combine, identity, new_rows, reduce_rows
 from ._collectives import subjaxprs
-from ._custom_types import CheckpointSpec, ChunkFn, ChunkOutput, InputArray
+from ._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
 from ._derivatives import scan_chunks, slice_rest
 from ._jax_compat import varying_axes, without_const_values
-from ._progress import AbstractProgressMeter
 from ._reporting import quiet, reporter
 
 
@@ -99,11 +99,43 @@ def _write_one(buffer: Array, chunk: Array, axis: int, start: Any) -> Array:
     return buffer.at[index].set(chunk)
 
 
-def _write(buffers: list[Array], chunk: list[Array], axes: tuple[int, ...], start):
-    return [
-        _write_one(buf, c, axis, start)
-        for buf, c, axis in zip(buffers, chunk, axes, strict=True)
+def _write(
+    buffers: list[Array],
+    chunk: list[Array],
+    layout: tuple[tuple[int, ...], tuple[str | None, ...]],
+    start: Any,
+    first_new: Any = None,
+) -> list[Array]:
+    """The chunk at `start` written into its buffers or folded into its
+    accumulators (`layout`: each output's axis and kind), the rows before
+    `first_new` (an earlier step's, if not `None`) left out of them."""
+    out = []
+    for buf, c, axis, which in zip(buffers, chunk, *layout, strict=True):
+        if which is None:
+            out.append(_write_one(buf, c, axis, start))
+            continue
+        size = c.shape[axis]
+        mask = None if first_new is None else new_rows(start, first_new, size)
+        out.append(combine(which, buf, reduce_rows(which, c, axis, mask)))
+    return out
+
+
+def _buffer(struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: int):
+    """Where an output of `size` rows goes: a buffer, or an empty accumulator."""
+    return _grow(struct, axis, size) if which is None else identity(which, struct, axis)
+
+
+def reduced(out: ChunkOutput) -> ChunkOutput:
+    """A chunk function's output for the whole batch in one step: its accumulated
+    outputs reduced over their rows, as the loop reduces them."""
+    if out.reduce is None:
+        return out
+    leaves, treedef = jtu.tree_flatten(out.batched)
+    leaves = [
+        x if which is None else reduce_rows(which, x, axis, None)
+        for x, axis, which in zip(leaves, out.batched_axes, out.kinds(), strict=True)
     ]
+    return out._replace(batched=jtu.tree_unflatten(treedef, leaves))
 
 
 def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
@@ -136,7 +168,7 @@ def _convert(
     def _chunk_arrays(chunk: PyTree[Array]) -> tuple[list[Array], PyTree[Array]]:
         out = chunk_fn(chunk, size)
         batched, unbatched = jax.eval_shape(lambda: (out.batched, out.unbatched))
-        shapes.append(ChunkOutput(batched, out.batched_axes, unbatched, out.static))
+        shapes.append(out._replace(batched=batched, unbatched=unbatched))
         return jtu.tree_leaves(out.batched), out.unbatched
 
     # An example chunk (dead code under `jit`) carries the inputs' full types:
@@ -168,20 +200,18 @@ def run_in_chunks(
     in_axes: PyTree[int | None],
     *,
     batch_size: int,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
-    progress_meter: AbstractProgressMeter | None = None,
-    api: str = "",
+    options: LoopOptions,
     loop: str | None = None,
 ) -> ChunkOutput:
-    """Evaluates `chunk_fn` over the whole batch in chunks of `chunk_size`.
+    """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
     Requires `0 < chunk_size < batch_size`; returns what `chunk_fn(inputs,
-    batch_size)` would, with the batched outputs at full batch size. Each step
-    reports to `progress_meter` (labelled `api`, and `loop` if one of several):
-    see `_reporting.py`.
+    batch_size)` would, with the batched outputs at full batch size and the
+    accumulated ones reduced over the batch (`reduced`). Each step reports to the
+    options' progress meter (labelled with their `api`, and `loop` if one of
+    several): see `_reporting.py`.
     """
+    chunk_size, remainder, checkpoint, progress_meter, api = options
     assert 0 < chunk_size < batch_size
     found = reporter(progress_meter, api, batch_size, chunk_size, remainder, loop)
     chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
@@ -191,10 +221,11 @@ def run_in_chunks(
     overlap = remainder == "overlap" and leftover != 0
     num_steps = num_chunks + 1 if overlap else num_chunks
     fn, shapes = _convert(chunk_fn, inputs, in_axes, chunk_size)
-    axes = shapes.batched_axes
+    axes, kinds = shapes.batched_axes, shapes.kinds()
+    layout = (axes, kinds)
+    structs = jtu.tree_leaves(shapes.batched)
     buffers = [
-        _grow(s, a, batch_size)
-        for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
+        _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
     ]
     unbatched = jtu.tree_map(_zeros, shapes.unbatched)
 
@@ -219,9 +250,10 @@ def run_in_chunks(
             chunk_size=size,
             num_steps=steps,
             checkpoint=checkpoint,
-            write=lambda _b, _chunk, start: _write(_b, _chunk, axes, start),
+            write=lambda _b, _c, start, first: _write(_b, _c, layout, start, first),
             reporter=found,
             rest_fn=rest,
+            kinds=kinds,
         )
 
     state = (buffers, unbatched)
@@ -245,13 +277,16 @@ def run_in_chunks(
         )
         fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
         rest_buffers = [
-            _grow(s, a, leftover)
-            for s, a in zip(jtu.tree_leaves(shapes.batched), axes, strict=True)
+            _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
         ]
         state = (rest_buffers, unbatched)
         rest_buffers, unbatched = _loop(
             fn, leftover, leftover, 1, None, rest, in_axes, *state
         )
-        buffers = _write(buffers, rest_buffers, axes, start)
+        # The accumulators of the whole chunks, then the remainder's (its own).
+        buffers = [
+            _write_one(b, r, a, start) if k is None else combine(k, b, r)
+            for b, r, a, k in zip(buffers, rest_buffers, *layout, strict=True)
+        ]
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
-    return ChunkOutput(batched, axes, unbatched, shapes.static)
+    return shapes._replace(batched=batched, unbatched=unbatched)

@@ -30,6 +30,27 @@ class ChunkOutput(NamedTuple):
     batched_axes: tuple[int, ...]
     unbatched: PyTree[Array]
     static: Any
+    # Per leaf of `batched`: `None` (written at full batch size), or the kind of
+    # accumulator (`"sum"`, `"max"`, `"min"`) that the loop folds its rows into
+    # (`_accumulate.py`). `None` for the whole tuple: every leaf is written.
+    reduce: tuple[str | None, ...] | None = None
+
+    def kinds(self) -> tuple[str | None, ...]:
+        """`reduce`, one entry per batched leaf."""
+        if self.reduce is None:
+            return (None,) * len(self.batched_axes)
+        return self.reduce
+
+
+class LoopOptions(NamedTuple):
+    """How the loop over chunks runs (`_chunking.run_in_chunks`): what every
+    chunked transform takes besides `fun`, once the chunk size is an integer."""
+
+    chunk_size: int
+    remainder: str
+    checkpoint: CheckpointSpec
+    progress_meter: Any = None  # an `AbstractProgressMeter`, or `None`
+    api: str = ""
 
 
 # A chunk function: the mapped inputs sliced to `size` elements, and `size`.

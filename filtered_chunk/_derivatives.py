@@ -51,13 +51,17 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from ._accumulate import overlap_weights, zeros_like as _zeros_like
 from ._custom_types import CheckpointSpec, InputArray, is_none
 from ._reporting import report_step, Reporter
 from ._weak_types import fork, join, strong_and_weak
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
-WriteFn = Callable[[list[Array], list[Array], Int[Array, ""]], list[Array]]
+# `write(buffers, chunk, start, first_new)`: the step's chunk (at `start`) written
+# into the buffers and folded into the accumulators, whose rows before `first_new`
+# an earlier step counted (`None`: none).
+WriteFn = Callable[[list[Array], list[Array], Any, Any], list[Array]]
 
 
 def _inexact(x: InputArray) -> bool:
@@ -94,10 +98,32 @@ class _Loop(eqx.Module):
     checkpoint: CheckpointSpec = eqx.field(static=True)
     write: WriteFn = eqx.field(static=True)
     reporter: Reporter | None = eqx.field(static=True, default=None)
+    # Per output: written (`None`) or accumulated (`_accumulate.py`).
+    kinds: tuple[str | None, ...] = eqx.field(static=True, default=())
 
     @property
     def num_whole(self) -> int:
         return min(self.num_steps, self.batch_size // self.chunk_size)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the last step recomputes rows that the one before computed."""
+        return self.num_steps > self.num_whole
+
+    def first_new(self, index: Int[Array, ""]) -> Int[Array, ""] | None:
+        """The first row of step `index` that no earlier step computed."""
+        return index * self.chunk_size if self.overlaps else None
+
+    def row_sum(self, t: Any, axis: int, start: Int[Array, ""]) -> Array:
+        """The tangent of a step's accumulated sum from its rows' tangents `t`:
+        each copy of a recomputed row weighs half (`overlap_weights`)."""
+        if self.overlaps:
+            covered = self.num_whole * self.chunk_size
+            w = overlap_weights(start, self.chunk_size, self.batch_size, covered)
+            shape = [1] * t.ndim
+            shape[axis] = -1
+            t = t * w.reshape(shape).astype(t.dtype)
+        return jnp.sum(t, axis=axis)
 
     def starts(self) -> Int[Array, " num_steps"]:
         last = self.batch_size - self.chunk_size
@@ -226,7 +252,7 @@ def _run(
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
-        _buffers = loop.write(_buffers, _chunk, start)
+        _buffers = loop.write(_buffers, _chunk, start, loop.first_new(index))
         # After the write: the report reads the written buffers, so it follows the
         # step's work.
         report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
@@ -265,22 +291,39 @@ def _run_jvp(
         is_leaf=is_none,
     )
     step = checkpointed(_jvp_step, loop.checkpoint)
+    # The tangents of accumulated sums are summed in the carry, as their primals
+    # are: their size, not the batch's (`_accumulate.py`).
+    t_sums = [
+        _zeros_like(b) if which == "sum" and _inexact(b) else None
+        for b, which in zip(buffers, loop.kinds, strict=True)
+    ]
 
-    def _body(carry: tuple[Any, Any], xs: tuple[Any, Any, Any]) -> tuple[Any, Any]:
-        _buffers, _ = carry
-        start, _t_chunk, _probes = xs
+    def _body(carry: tuple[Any, Any, Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
+        _buffers, _, _t_sums = carry
+        index, start, _t_chunk, _probes = xs
         _t_fn, _t_chunk = _join_tree((t_fn, _t_chunk), _probes)
         (_chunk, _unbatched), (_t_out, _) = step(
             fn, _t_fn, inputs, start, _t_chunk, loop
         )
-        carry = (loop.write(_buffers, _chunk, start), _unbatched)
+        _buffers = loop.write(_buffers, _chunk, start, steps.first_new(index))
         # Its operands are primal values: reverse mode reports in the forward pass.
-        report_step(loop.reporter, start, loop.chunk_size, carry)
-        return carry, _fork_outputs(_t_out)
+        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
+        _t_out, _out_probes = _fork_outputs(_t_out)
+        _t_sums = [
+            acc if acc is None else acc + steps.row_sum(t, axis, start)
+            for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
+        ]
+        _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
+        return (_buffers, _unbatched, _t_sums), (_t_out, _out_probes)
 
-    (buffers, unbatched), (t_stacks, out_probes) = lax.scan(
-        _body, (buffers, unbatched), (steps.starts(), t_chunks, steps_probes)
+    indices = jnp.arange(steps.num_steps)
+    (buffers, unbatched, t_sums), (t_stacks, out_probes) = lax.scan(
+        _body,
+        (buffers, unbatched, t_sums),
+        (indices, steps.starts(), t_chunks, steps_probes),
     )
+    # An accumulated sum's tangent is its carry; a running maximum's is zero.
+    t_stacks = [t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)]
     if rest_fn is not None and apart:
         buffers, t_rows, out_probes = _leftover(
             step,
@@ -294,8 +337,8 @@ def _run_jvp(
         )
     else:
         t_rows = [
-            None if t is None else loop.merge(t, axis)
-            for t, axis in zip(t_stacks, loop.axes, strict=True)
+            None if t is None else t if which is not None else loop.merge(t, axis)
+            for t, axis, which in zip(t_stacks, loop.axes, loop.kinds, strict=True)
         ]
     t_buffers = [
         None if t is None else join(t, probe, _weak(b))
@@ -339,20 +382,23 @@ def _leftover(
     )
     t_rest_fn, t_rest = _join_tree((t_rest_fn, t_rest), (fn_probes, probes[1]))
     (chunk, _), (t_out, _) = step(rest_fn, t_rest_fn, inputs, start, t_rest, rest)
-    buffers = loop.write(buffers, chunk, start)
+    buffers = loop.write(buffers, chunk, start, None)
     report_step(loop.reporter, start, rest.chunk_size, buffers)
     t_out, rest_probes = _fork_outputs(t_out)
     whole = loop.without_overlap()
     t_rows, probes_out = [], []
-    for t, probe, t_last, last_probe, axis in zip(
-        *scanned, t_out, rest_probes, loop.axes, strict=True
+    for t, probe, t_last, last_probe, axis, which in zip(
+        *scanned, t_out, rest_probes, loop.axes, loop.kinds, strict=True
     ):
         if t is None:
             t_rows.append(None)
             probes_out.append(None)
             continue
         # Both probes see the cotangent of the whole output.
-        t_rows.append(join(whole.merge(t, axis, t_last), probe))
+        if which is None:
+            t_rows.append(join(whole.merge(t, axis, t_last), probe))
+        else:  # an accumulated sum: the carry's and the leftover's rows
+            t_rows.append(join(t + jnp.sum(t_last, axis=axis), probe))
         probes_out.append(last_probe)
     return buffers, t_rows, probes_out
 
@@ -465,6 +511,7 @@ def scan_chunks(
     write: WriteFn,
     reporter: Reporter | None = None,
     rest_fn: ArraysFn | None = None,
+    kinds: tuple[str | None, ...] = (),
 ) -> tuple[list[Array], PyTree[Array]]:
     """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` (at `axes`) with `write`; returns the buffers and the last
@@ -476,7 +523,16 @@ def scan_chunks(
     chunk covers, makes the derivative evaluate them apart rather than in an
     overlapping step (see the module's docstring).
     """
+    kinds = kinds or (None,) * len(axes)
     loop = _Loop(
-        in_axes, axes, batch_size, chunk_size, num_steps, checkpoint, write, reporter
+        in_axes,
+        axes,
+        batch_size,
+        chunk_size,
+        num_steps,
+        checkpoint,
+        write,
+        reporter,
+        kinds,
     )
     return _run(fn, inputs, buffers, unbatched, rest_fn, loop=loop)

@@ -44,8 +44,9 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 # Version-dependent: the mesh axes a value varies over inside `shard_map`, which
 # JAX 0.10 moved from `ShapeDtypeStruct.vma` to `.manual_axis_type.varying`.
-def varying_axes(struct: jax.ShapeDtypeStruct) -> tuple[str, ...]:
-    """The manual mesh axes over which values of type `struct` vary."""
+def varying_axes(struct: Any) -> tuple[str, ...]:
+    """The manual mesh axes over which values of type `struct` (a
+    `jax.ShapeDtypeStruct` or an abstract value) vary."""
     manual = struct.manual_axis_type
     return () if manual is None else tuple(manual.varying)
 

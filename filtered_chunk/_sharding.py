@@ -188,6 +188,9 @@ def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeS
     return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x), sharding=local)
 
 
+_ACROSS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
 def run_sharded(
     local: Callable[[PyTree[Any], PyTree[InputArray], int], ChunkOutput],
     closed: PyTree[Any],
@@ -225,10 +228,18 @@ def run_sharded(
     structs = jtu.tree_map(ft.partial(_local_struct, sharding), in_axes, mapped)
     shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
 
+    kinds = shapes.kinds()
+
     def _local(_arrays: PyTree[Array], _mapped: PyTree[InputArray]) -> tuple[Any, Any]:
         with sharded(sharding.axis_names, num_devices):  # one meter, not one a device
             _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
-        return _out.batched, _out.unbatched
+        # An accumulated output: every device's accumulator, combined.
+        leaves, treedef = jtu.tree_flatten(_out.batched)
+        leaves = [
+            x if k is None else _ACROSS[k](x, sharding.axis_names)
+            for x, k in zip(leaves, kinds, strict=True)
+        ]
+        return jtu.tree_unflatten(treedef, leaves), _out.unbatched
 
     in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))
     call = _shard_map(_local, sharding, in_specs, shapes, check_vma)
@@ -247,7 +258,10 @@ def _shard_map(
     out_specs = (
         jtu.tree_unflatten(
             jtu.tree_structure(shapes.batched),
-            [sharding.spec(axis) for axis in shapes.batched_axes],
+            [
+                sharding.spec(axis) if k is None else P()
+                for axis, k in zip(shapes.batched_axes, shapes.kinds(), strict=True)
+            ],
         ),
         P(),  # `out_axes=None` outputs do not vary over devices
     )
@@ -270,8 +284,10 @@ def _shard_map(
 
     structs = jtu.tree_leaves(shapes.batched)
     batched = [
-        _batched_sharding(sharding, struct, axis)
-        for struct, axis in zip(structs, shapes.batched_axes, strict=True)
+        _batched_sharding(sharding, struct, axis, k)
+        for struct, axis, k in zip(
+            structs, shapes.batched_axes, shapes.kinds(), strict=True
+        )
     ]
     out_sharding = (
         jtu.tree_unflatten(jtu.tree_structure(shapes.batched), batched),
@@ -296,10 +312,14 @@ def _spec(entries: list[tuple[str, ...]]) -> P:
 
 
 def _batched_sharding(
-    sharding: BatchSharding, struct: jax.ShapeDtypeStruct, axis: int
+    sharding: BatchSharding, struct: jax.ShapeDtypeStruct, axis: int, kind: Any
 ) -> NamedSharding:
-    """A batched output's sharding: one device's chunk, split at `axis`."""
+    """A batched output's sharding: one device's chunk, split at `axis`; or, for
+    an accumulated one, replicated over the batch's mesh axes (without `axis`)."""
     entries = _without(sharding, struct.sharding.spec, len(struct.shape))
+    if kind is not None:
+        del entries[axis]
+        return NamedSharding(sharding.mesh, _spec(entries))
     entries[axis] = sharding.axis_names + entries[axis]
     return NamedSharding(sharding.mesh, _spec(entries))
 

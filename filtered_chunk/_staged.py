@@ -1,14 +1,16 @@
 """Collectives over the mapped axis across chunks, exactly: staged evaluation.
 
 A collective over `axis_name` needs the whole batch, but a chunked loop sees one
-chunk at a time. [`run_staged`][] evaluates `fun` in passes over the batch instead
-(`_staged_plan.py` says which): pass `s` is one chunked loop that computes only the
-operands of the collectives of level `s`, with the results of lower levels as
-unmapped values, and accumulates them across chunks (`_staged_passes.py`); the last
-pass is the library's loop ([`run_in_chunks`][]), computing every output (the
-unmapped ones as its unbatched outputs, so that `jax.vmap` tells whether they
-vary). `fun` is traced once, with the axis at the batch size, so every size it
-reads (`lax.axis_size`, `psum` of a constant) is the batch's. So `psum`, `pmean`,
+chunk at a time. [`run_plan`][] evaluates `fun` in passes over the batch instead
+(`_staged_plan.py` says which), each a run of the library's one loop
+([`run_in_chunks`][]): pass `s` computes only the operands of the collectives of
+level `s`, with the results of lower levels as unmapped values, as outputs that
+the loop accumulates (a sum, a running maximum or minimum) or writes (the rows
+of a gather); `_staged_passes.py` turns them into each collective's result. The
+last pass computes every output (the unmapped ones as the loop's unbatched
+outputs, so that `jax.vmap` tells whether they vary). `fun` is traced once,
+with the axis at the batch size, so every size it reads (`lax.axis_size`, `psum`
+of a constant) is the batch's. So `psum`, `pmean`,
 `pmax`, `pmin`, `axis_index`, `axis_size`, `all_gather`, `ppermute`,
 `psum_scatter` and `all_to_all` give `jax.vmap`'s results (up to the order of
 floating-point sums), with a working set of one chunk per pass plus the
@@ -20,7 +22,6 @@ chunks are rematerialised in reverse mode (`checkpoint`), which keeps gradients
 bounded too: without it, the residuals of every pass's chunks would be kept.
 """
 
-import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -30,34 +31,24 @@ import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
-from jaxtyping import Array, Bool, PyTree
+from equinox.internal import Static
+from jaxtyping import Array, PyTree
 
 from ._axes import describe, varying_unmapped
-from ._chunking import balanced_chunk_size, ChunkOutput, run_in_chunks
+from ._chunking import ChunkOutput, reduced, run_in_chunks
 from ._collectives import axis_names, element_struct
-from ._custom_types import CheckpointSpec, InputArray, keep_untraced
-from ._derivatives import checkpointed
+from ._custom_types import InputArray, keep_untraced, LoopOptions
 from ._jax_compat import batched_none_output
-from ._progress import AbstractProgressMeter
 from ._reporting import quiet, report_step, reporter
-from ._staged_passes import (
-    combine,
-    finish,
-    initial,
-    kind,
-    read,
-    reduce_chunk,
-    typed,
-    unstaged,
-)
+from ._staged_passes import finish, kind, read, strong, typed, unstaged
 from ._staged_plan import (
     check_custom_rules,
     FINAL,
     make_plan,
     Plan,
 )
-from ._staged_program import bind, staged_program, struct
+from ._staged_program import bind, staged_program
+from ._summed import as_sums, merge_varying, split_varying
 
 
 ElementFn = Callable[[list[Array], list[Array]], tuple[list[Any], list[Any], Any]]
@@ -122,31 +113,6 @@ def _operands(plan: Plan, level: int) -> list[tuple[int, str, Any]]:
     ]
 
 
-def _chunk(
-    plan: Plan,
-    level: int,
-    fixed: list[Any],
-    results: dict[int, list[Array]],
-    mapped: list[Array],
-    positions: Array,
-    mask: Bool[Array, " chunk"] | None,
-) -> tuple[list[Any], list[Array]]:
-    """One chunk of a pass: its accumulators and its rows of the gather buffers."""
-
-    def _element(_mapped: list[Array], _position: Array) -> list[Any]:
-        _args = _with_mapped(plan, fixed, _mapped)
-        return _evaluate(plan, level, _args, results, _position)
-
-    rows = jax.vmap(_element)(mapped, positions)
-    partial, gathered = [], []
-    for (_, which, _), x in zip(_operands(plan, level), rows, strict=True):
-        if which == "gather":
-            gathered.append(x)
-        else:
-            partial.append(reduce_chunk(which, x, mask))
-    return partial, gathered
-
-
 def _with_mapped(plan: Plan, fixed: list[Any], mapped: list[Any]) -> list[Any]:
     """The program's arguments: `fixed` is its consts then its unmapped inputs."""
     k = len(plan.program.consts)
@@ -158,81 +124,91 @@ def _pass(
     level: int,
     fixed: list[Any],
     results: dict[int, list[Array]],
-    mapped: list[Array],
-    *,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
+    batch: tuple[list[Array], list[int]],
+    options: LoopOptions,
     shard: Shard | None,
-    progress_meter: AbstractProgressMeter | None,
-    api: str,
 ) -> dict[int, list[Array]]:
-    """The results of the level's collectives, from one chunked loop (on each
-    device's shard, then across the devices, if `shard` says so).
+    """The results of the level's collectives, from one run of the library's loop
+    (on each device's shard, then across the devices, if `shard` says so).
 
-    The chunks are scanned over as stacked inputs (`xs`), so that reverse mode
-    transposes them into stacked cotangents, with no batch-sized carry.
+    Its chunk function returns each operand's rows: a gather's are written into a
+    batch-sized buffer, a reduction's are accumulated (`_accumulate.py`). A
+    running maximum or minimum carries, with value zero, the tangents of the rows:
+    JAX defines no derivative of `pmax` or `pmin` (not even under `jax.vmap`), and
+    the carrier is what raises its error when one is taken (`finish`).
     """
-    batch_size = _local_size(plan, shard)
-    loop = f"loop {level} of {plan.num_passes + 1}"
-    found = reporter(progress_meter, api, batch_size, chunk_size, remainder, loop)
-    if remainder == "overlap":
-        chunk_size = balanced_chunk_size(batch_size, chunk_size)
-    whole, leftover = divmod(batch_size, chunk_size)
     operands = _operands(plan, level)
-    reductions = [(w, a) for _, w, a in operands if w != "gather"]
-    # Nested chunked calls do not report.
-    step = quiet(checkpointed(ft.partial(_chunk, plan, level), checkpoint), found)
-    positions = _positions(batch_size, shard)
-    overlap = remainder == "overlap" and leftover > 0
-    # With an overlapping last chunk, it is one more step of the loop, whose rows
-    # that the step before computed are masked out of every reduction (so that
-    # every report is made inside the loop, in order).
-    starts = np.arange(whole) * chunk_size
-    masks = np.ones((whole, chunk_size), bool)
-    if overlap:
-        starts = np.append(starts, batch_size - chunk_size)
-        new = np.arange(chunk_size) >= chunk_size - leftover
-        masks = np.concatenate([masks, new[None]])
 
-    def stack(x: Array) -> Array:
-        chunks = x[: whole * chunk_size].reshape(whole, chunk_size, *x.shape[1:])
-        if not overlap:
-            return chunks
-        return jnp.concatenate([chunks, x[batch_size - chunk_size :][None]])
+    def _element(_mapped: list[Array], _position: Array) -> list[Any]:
+        _args = _with_mapped(plan, fixed, _mapped)
+        return _evaluate(plan, level, _args, results, _position)
 
-    def _body(acc: list[Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        start, mask, *_xs = xs
-        partial, gathered = step(fixed, results, *_xs, mask if overlap else None)
-        acc = [combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)]
-        report_step(found, start, chunk_size, acc)
-        return acc, gathered
+    def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
+        del size
+        rows = jax.vmap(_element, in_axes=(batch[1], 0))(*inputs)
+        leaves, kinds = [], []
+        for (_, which, _), x in zip(operands, rows, strict=True):
+            if which == "gather":
+                leaves.append(x)
+                kinds.append(None)
+                continue
+            x = strong(x)
+            leaves.append(x if which == "sum" else lax.stop_gradient(x))
+            kinds.append(which)
+            if which != "sum" and jnp.issubdtype(x.dtype, jnp.inexact):
+                leaves.append(x - lax.stop_gradient(x))
+                kinds.append("sum")
+        return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
-    init = [initial(w, a) for w, a in reductions]
-    xs = (jnp.asarray(starts), jnp.asarray(masks))
-    xs += ([stack(x) for x in mapped], stack(positions))
-    acc, gathered = lax.scan(_body, init, xs)
-    if overlap:  # the last step's new rows
-        skip = chunk_size - leftover
-        # Explicit sizes: `-1` is ambiguous for an operand of no elements.
-        gathered = [
-            jnp.concatenate(
-                [g[:-1].reshape(whole * chunk_size, *g.shape[2:]), g[-1, skip:]]
-            )
-            for g in gathered
-        ]
-    else:
-        gathered = [g.reshape(whole * chunk_size, *g.shape[2:]) for g in gathered]
-    if leftover and not overlap:  # a separate remainder: reported by no loop
-        start = whole * chunk_size
-        rest = ([x[start:] for x in mapped], positions[start:])
-        partial, last = step(fixed, results, *rest, None)
-        acc = [combine(w, a, p) for (w, _), a, p in zip(reductions, acc, partial)]
-        gathered = [jnp.concatenate([g, x]) for g, x in zip(gathered, last)]
+    out = _loop(plan, _chunk_fn, batch, options, shard, level)
+    values = iter(out.batched)
+    acc, gathered = [], []
+    for _, which, aval in operands:
+        if which == "gather":
+            gathered.append(next(values))
+        elif which == "sum":
+            acc.append(next(values))
+        else:
+            top = next(values)
+            inexact = jnp.issubdtype(aval.dtype, jnp.inexact)
+            acc.append((top, next(values) if inexact else jnp.zeros_like(top)))
     if shard is not None:
-        acc = [_across(w, a, shard) for (w, _), a in zip(reductions, acc)]
+        acc = [_across(w, a, shard) for (_, w, _), a in zip(_reductions(operands), acc)]
         gathered = [lax.all_gather(g, shard.axis_names, tiled=True) for g in gathered]
     return _results(plan, level, acc, gathered)
+
+
+def _reductions(operands: list[tuple[int, str, Any]]) -> list[tuple[int, str, Any]]:
+    return [o for o in operands if o[1] != "gather"]
+
+
+def _loop(
+    plan: Plan,
+    chunk_fn: Callable[[Any, int], ChunkOutput],
+    batch: tuple[list[Array], list[int]],
+    options: LoopOptions,
+    shard: Shard | None,
+    level: int,
+) -> ChunkOutput:
+    """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
+    their axes, with each element's position in the whole batch), as loop
+    `level` of the plan's: the library's loop, or one chunk of the whole."""
+    batch_size = _local_size(plan, shard)
+    inputs = (list(batch[0]), _positions(batch_size, shard))
+    in_axes = (list(batch[1]), 0)
+    loops = plan.num_passes + 1
+    label = None if loops == 1 else f"loop {level} of {loops}"
+    if options.chunk_size >= batch_size:  # a device's shard in one chunk
+        o = options
+        found = reporter(
+            o.progress_meter, o.api, batch_size, batch_size, o.remainder, label
+        )
+        out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
+        report_step(found, jnp.asarray(0), batch_size, out.batched)
+        return out
+    return run_in_chunks(
+        chunk_fn, inputs, in_axes, batch_size=batch_size, options=options, loop=label
+    )
 
 
 def _local_size(plan: Plan, shard: Shard | None) -> int:
@@ -298,44 +274,26 @@ def run_plan(
     plan: Plan,
     consts: list[Any],
     unmapped: list[Array],
-    mapped: list[Array],
-    in_axes: list[int],
-    *,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
-    progress_meter: AbstractProgressMeter | None,
-    api: str,
+    batch: tuple[list[Array], list[int]],
+    options: LoopOptions,
     shard: Shard | None,
+    sum_match: bool = False,
 ) -> tuple[list[Array], list[Any]]:
-    """The passes and the final loop of `plan`, over `mapped` (the batch on
-    `in_axes`; this device's shard of it with `shard`): the mapped outputs (the
-    batch on axis 0) and the unmapped ones. `consts` are the program's (inputs of
-    the `shard_map`, when sharded)."""
+    """The passes and the final loop of `plan`, over `batch` (the mapped leaves
+    and their axes; this device's shard of them with `shard`): the mapped outputs
+    (the batch on axis 0) and the unmapped ones (summed over the batch where they
+    vary, with `sum_match`). `consts` are the program's (inputs of the
+    `shard_map`, when sharded)."""
     fixed = list(consts) + list(unmapped)
-    chunk_size = min(chunk_size, _local_size(plan, shard))  # a shard in one chunk
-    results: dict[int, list[Array]] = {}
-    options: dict[str, Any] = dict(
-        chunk_size=chunk_size, remainder=remainder, checkpoint=checkpoint, shard=shard
+    # A shard in one chunk.
+    options = options._replace(
+        chunk_size=min(options.chunk_size, _local_size(plan, shard))
     )
-    # The passes scan over chunks stacked on axis 0 (a copy of a leaf mapped on
-    # another axis, where there is a pass).
-    stacked = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, in_axes, strict=True)]
+    results: dict[int, list[Array]] = {}
     for level in range(1, plan.num_passes + 1):
-        results.update(
-            _pass(
-                plan,
-                level,
-                fixed,
-                dict(results),
-                stacked,
-                progress_meter=progress_meter,
-                api=api,
-                **options,
-            )
-        )
+        results.update(_pass(plan, level, fixed, dict(results), batch, options, shard))
     out_mapped, out_unmapped = _final(
-        plan, fixed, results, (mapped, in_axes), progress_meter, api, **options
+        plan, fixed, results, batch, options, shard, sum_match
     )
     out_unmapped = [
         value if untraced else x
@@ -344,75 +302,14 @@ def run_plan(
     return out_mapped, out_unmapped
 
 
-def run_staged(
-    fun: ElementFn,
-    mapped: list[Array],
-    unmapped: list[Array],
-    *,
-    batch_size: int,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
-    axis_name: Hashable,
-    in_axes: list[int] | None = None,
-    api: str = "filter_chunked_vmap",
-    progress_meter: AbstractProgressMeter | None = None,
-) -> tuple[list[Array], list[Any], Any, int]:
-    """`jax.vmap(fun, axis_name=axis_name)` over `batch_size` elements, with its
-    collectives over `axis_name` computed exactly across chunks of `chunk_size`.
-
-    `fun(mapped, unmapped)` takes one element's mapped leaves and the unmapped
-    leaves (lists of arrays) and returns `(mapped_out, unmapped_out, aux)`: lists
-    of arrays and anything static. `mapped` holds the leaves with the batch on
-    their `in_axes` (default: axis 0 of each; another axis costs one transpose of
-    that leaf where there is a pass). `progress_meter` (labelled `api`) reports
-    every loop.
-
-    Returns `(mapped_out, unmapped_out, aux, num_passes)`: the mapped outputs with
-    the batch on axis 0; the unmapped outputs, which must not vary over the batch
-    (else `VaryingUnmappedOutput`), those that no trace computed as they are (as
-    `jax.vmap` returns them); `aux` from tracing `fun`; and the number of passes
-    before the final one. Raises a `ValueError` naming the collective where it
-    cannot be computed exactly (see `_staged_program.py`).
-    """
-    axes = [0] * len(mapped) if in_axes is None else list(in_axes)
-    if not 0 < chunk_size < batch_size:
-        moved = [jnp.moveaxis(x, a, 0) for x, a in zip(mapped, axes, strict=True)]
-        return _one_vmap(fun, moved, unmapped, batch_size, axis_name)
-    elements = [element_struct(a, x) for x, a in zip(mapped, axes, strict=True)]
-    unmapped_structs = [struct(x) for x in unmapped]
-    plan = plan_staged(
-        fun,
-        elements,
-        unmapped_structs,
-        batch_size=batch_size,
-        axis_name=axis_name,
-        api=api,
-    )
-    out_mapped, out_unmapped = run_plan(
-        plan,
-        plan.program.consts,
-        unmapped,
-        mapped,
-        axes,
-        chunk_size=chunk_size,
-        remainder=remainder,
-        checkpoint=checkpoint,
-        progress_meter=progress_meter,
-        api=api,
-        shard=None,
-    )
-    return out_mapped, out_unmapped, plan.program.aux, plan.num_passes
-
-
 def _final(
     plan: Plan,
     fixed: list[Any],
     results: dict[int, list[Array]],
     batch: tuple[list[Array], list[int]],
-    progress_meter: AbstractProgressMeter | None,
-    api: str,
-    **options: Any,
+    options: LoopOptions,
+    shard: Shard | None,
+    sum_match: bool,
 ) -> tuple[list[Array], list[Array]]:
     """The outputs: the library's loop over the batch (the mapped leaves and
     their axes), reading every level's results.
@@ -420,73 +317,42 @@ def _final(
     The unmapped outputs (`out_axes=None`) are the loop's unbatched outputs, so
     that `jax.vmap`'s own batching rules say whether they vary (a loop or a `cond`
     that carries a mapped value beside an unmapped one), as without chunks; one
-    that varies raises `VaryingUnmappedOutput`.
+    that varies raises `VaryingUnmappedOutput`, or with `sum_match` is a sum that
+    the loop accumulates (`_summed.py`).
     """
-    shard = options.pop("shard")
-    batch_size = _local_size(plan, shard)
-    mapped, axes = batch
     num_mapped = plan.program.num_mapped_out
+    varies: list[bool] = []
 
-    def _element(_m: list[Array], _position: Array) -> tuple[list[Any], list[Any]]:
+    def _element(_m: list[Array], _position: Array) -> tuple[list[Any], ...]:
         _args = _with_mapped(plan, fixed, _m)
         out = _evaluate(plan, FINAL, _args, results, _position)
-        return out[:num_mapped], out[num_mapped:]
+        if not sum_match:
+            return out[:num_mapped], [], out[num_mapped:]
+        summed, unbatched, varies[:] = split_varying(out[num_mapped:], _position)
+        return out[:num_mapped], summed, unbatched
 
     def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
-        vmapped = jax.vmap(_element, in_axes=(axes, 0), out_axes=(0, None))
+        vmapped = jax.vmap(_element, in_axes=(batch[1], 0), out_axes=(0, 0, None))
         try:
-            out, unbatched = vmapped(*inputs)
+            out, summed, unbatched = vmapped(*inputs)
         except ValueError as e:
             path = batched_none_output(e)
-            if path is None or path[:1] != (1,):
+            if path is None or path[:1] != (2,):
                 raise
             raise VaryingUnmappedOutput(path[1] if len(path) > 1 else 0) from None
-        return ChunkOutput(out, (0,) * len(out), unbatched, None)
+        summed = as_sums(summed)
+        leaves = list(out) + summed
+        kinds = (None,) * len(out) + ("sum",) * len(summed)
+        return ChunkOutput(leaves, (0,) * len(leaves), unbatched, None, kinds)
 
-    inputs = (list(mapped), _positions(batch_size, shard))
-    loops = plan.num_passes + 1
-    loop = None if loops == 1 else f"loop {loops} of {loops}"
-    if options["chunk_size"] >= batch_size:  # a device's shard in one chunk
-        found = reporter(
-            progress_meter, api, batch_size, batch_size, options["remainder"], loop
-        )
-        out = quiet(_chunk_fn, found)(inputs, batch_size)
-        report_step(found, jnp.asarray(0), batch_size, out.batched)
-        return list(out.batched), list(out.unbatched)
-    out = run_in_chunks(
-        _chunk_fn,
-        inputs,
-        (list(axes), 0),
-        batch_size=batch_size,
-        progress_meter=progress_meter,
-        api=api,
-        loop=loop,
-        **options,
-    )
-    return list(out.batched), list(out.unbatched)
-
-
-def _one_vmap(
-    fun: ElementFn,
-    mapped: list[Array],
-    unmapped: list[Array],
-    batch_size: int,
-    axis_name: Hashable,
-) -> tuple[list[Array], list[Any], Any, int]:
-    """The whole batch in one `jax.vmap`: no chunk to stage over."""
-    aux = []
-
-    def _fun(_mapped: list[Array]) -> tuple[list[Any], list[Any]]:
-        out_mapped, out_unmapped, _aux = fun(_mapped, unmapped)
-        aux.append(_aux)
-        return list(out_mapped), list(out_unmapped)
-
-    vmapped = jax.vmap(
-        _fun, out_axes=(0, None), axis_name=axis_name, axis_size=batch_size
-    )
-    out_mapped, out_unmapped = vmapped(list(mapped))
-    return out_mapped, out_unmapped, aux[0], 0
+    out = _loop(plan, _chunk_fn, batch, options, shard, plan.num_passes + 1)
+    out_mapped, summed = out.batched[:num_mapped], out.batched[num_mapped:]
+    if shard is not None:
+        summed = [lax.psum(x, shard.axis_names) for x in summed]
+    if not sum_match:
+        return list(out_mapped), list(out.unbatched)
+    return list(out_mapped), merge_varying(varies, summed, list(out.unbatched))
 
 
 class StagedVmap(NamedTuple):
@@ -494,6 +360,7 @@ class StagedVmap(NamedTuple):
 
     plan: Plan
     in_axes: list[int]  # of the mapped leaves
+    sum_match: bool = False  # the unmapped outputs that vary are summed
 
 
 def plan_staged_vmap(
@@ -504,6 +371,7 @@ def plan_staged_vmap(
     batch_size: int,
     axis_name: Hashable,
     api: str,
+    sum_match: bool = False,
 ) -> StagedVmap:
     """The plan of `filter_chunked_vmap`'s call, with the collectives over
     `axis_name` staged; raises, before anything runs, what cannot be.
@@ -529,43 +397,29 @@ def plan_staged_vmap(
     plan = plan_staged(
         _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
     )
-    return StagedVmap(plan, axes)
+    return StagedVmap(plan, axes, sum_match)
 
 
 def run_staged_vmap(
     staged: StagedVmap,
     consts: list[Any],
     mapped: PyTree[InputArray],
-    *,
-    chunk_size: int,
-    remainder: str,
-    checkpoint: CheckpointSpec,
-    progress_meter: AbstractProgressMeter | None = None,
-    api: str = "filter_chunked_vmap",
+    options: LoopOptions,
     shard: Shard | None = None,
 ) -> ChunkOutput:
     """What `run_in_chunks` returns for `filter_chunked_vmap`'s chunk function,
     from its staged plan: `consts` are the plan's (`staged.plan.program.consts`,
     or what `shard_map` made of them), `mapped` the call's mapped leaves (this
     device's shard of them with `shard`)."""
+    batch = (jtu.tree_leaves(mapped), staged.in_axes)
     try:
         out_mapped, out_unmapped = run_plan(
-            staged.plan,
-            consts,
-            [],
-            jtu.tree_leaves(mapped),
-            staged.in_axes,
-            chunk_size=chunk_size,
-            remainder=remainder,
-            checkpoint=checkpoint,
-            progress_meter=progress_meter,
-            api=api,
-            shard=shard,
+            staged.plan, consts, [], batch, options, shard, staged.sum_match
         )
     except VaryingUnmappedOutput as e:
         paths = staged.plan.program.aux[3]
         where = f"`{paths[e.index]}`" if e.index < len(paths) else "an output"
-        raise varying_unmapped(api, where) from None
+        raise varying_unmapped(options.api, where) from None
     return _vmap_output(staged, out_mapped, out_unmapped)
 
 
@@ -590,9 +444,12 @@ def _vmap_output(
     out_static, out_axes = static.value
     axes = tuple(jtu.tree_leaves(out_axes))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(out_mapped, axes, strict=True)]
+    mapped = jtu.tree_unflatten(mapped_def, moved)
+    if staged.sum_match:  # as `_chunked_vmap._summed_output`, already summed
+        rest, kept = keep_untraced(list(out_unmapped))
+        where = (out_static, kept, [False] * len(rest), unmapped_def)
+        return ChunkOutput((mapped, []), axes, rest, Static(where))
     # What no trace computed is returned as it is (`jax.vmap` does the same).
     out_unmapped, kept = keep_untraced(jtu.tree_unflatten(unmapped_def, out_unmapped))
     out_static = eqx.combine(out_static, kept)
-    return ChunkOutput(
-        jtu.tree_unflatten(mapped_def, moved), axes, out_unmapped, out_static
-    )
+    return ChunkOutput(mapped, axes, out_unmapped, out_static)

@@ -2,10 +2,9 @@
 each element then reads.
 
 A pass evaluates, for every chunk, the operands of the collectives at its level,
-and folds them into one accumulator per operand: a sum (`psum`, `pmean`,
-`psum_scatter`), a running maximum or minimum (`pmax`, `pmin`), or the chunk's rows
-of a batch-sized buffer (`all_gather`, `ppermute`, `all_to_all`). Rows that the
-last chunk of `remainder="overlap"` recomputes are masked out of every reduction.
+and the loop folds them into one accumulator per operand (`_accumulate.py`): a sum
+(`psum`, `pmean`, `psum_scatter`), a running maximum or minimum (`pmax`, `pmin`),
+or the rows of a batch-sized buffer (`all_gather`, `ppermute`, `all_to_all`).
 After the loop, the names of outer axes in the same collective are reduced, and
 each element of a later stage reads its result: all of it, or its own slice
 (`psum_scatter`) or row (`ppermute`, `all_to_all`).
@@ -19,7 +18,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 from ._collectives import axis_names
 from ._jax_compat import with_weak_type
@@ -43,59 +42,9 @@ def typed(x: Array, aval: Any) -> Array:
     return with_weak_type(lax.convert_element_type(x, aval.dtype), aval.weak_type)
 
 
-def _strong(x: Array) -> Array:
+def strong(x: Array) -> Array:
+    """`x`, strongly typed."""
     return lax.convert_element_type(x, x.dtype)
-
-
-def _lowest(dtype: Any, which: str) -> Any:
-    """The identity of a running `which` (`"max"` or `"min"`) in `dtype`."""
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return -np.inf if which == "max" else np.inf
-    if jnp.issubdtype(dtype, jnp.bool_):
-        return which != "max"
-    info = jnp.iinfo(dtype)
-    return info.min if which == "max" else info.max
-
-
-def initial(which: str, aval: Any) -> Any:
-    """The empty accumulator of a reduction of an operand like `aval`."""
-    if which == "sum":
-        return jnp.zeros(aval.shape, aval.dtype)
-    start = jnp.full(aval.shape, _lowest(aval.dtype, which), aval.dtype)
-    return start, jnp.zeros(aval.shape, aval.dtype)
-
-
-def _masked(x: Array, mask: Bool[Array, " chunk"] | None, fill: Any) -> Array:
-    if mask is None:
-        return x
-    mask = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
-    return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
-
-
-def reduce_chunk(which: str, x: Array, mask: Bool[Array, " chunk"] | None) -> Any:
-    """One chunk's accumulator of the rows `x` (the batch on axis 0).
-
-    A running maximum or minimum also carries, with value zero, the tangents of the
-    rows: JAX defines no derivative of `pmax` or `pmin` (not even under `jax.vmap`),
-    and the carrier is what raises its error when one is taken (`_best_value`).
-    """
-    x = _strong(x)
-    if which == "sum":
-        # In the operand's dtype: `jnp.sum` promotes small integers, XLA's `psum`
-        # wraps around in them.
-        return jnp.sum(_masked(x, mask, 0), axis=0, dtype=x.dtype)
-    values = lax.stop_gradient(_masked(x, mask, _lowest(x.dtype, which)))
-    top = getattr(jnp, which)(values, axis=0)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return top, jnp.zeros_like(top)
-    return top, jnp.sum(x - lax.stop_gradient(x), axis=0)
-
-
-def combine(which: str, acc: Any, part: Any) -> Any:
-    if which == "sum":
-        return acc + part
-    (m, s), (m2, s2) = acc, part
-    return getattr(jnp, f"{which}imum")(m, m2), s + s2
 
 
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0,))

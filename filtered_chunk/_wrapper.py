@@ -45,13 +45,14 @@ from ._budget import (
     MemoryBudget,
     normalise_chunk_size,
 )
-from ._chunking import run_in_chunks
+from ._chunking import reduced, run_in_chunks
 from ._collectives import NONE, schedule_collectives, STAGED, WHOLE
 from ._custom_types import (
     CheckpointSpec,
     ChunkFn,
     ChunkOutput,
     InputArray,
+    LoopOptions,
     REMAINDERS,
     SpmdAxisName,
 )
@@ -111,6 +112,8 @@ class Batch(NamedTuple):
     element: Callable[[Any, PyTree[Any]], Any] | None = None
     # The transform's own check of `fun`, before a loop of chunks of that size.
     check: Callable[[Any, PyTree[InputArray], int], None] | None = None
+    # `sum_match=True`: the unmapped outputs that vary over the batch are summed.
+    sum_match: bool = False
 
 
 class AbstractPlan(eqx.Module):
@@ -319,14 +322,9 @@ def _on_device(
     )
 
 
-def _loop_options(chunk_size: int, options: ChunkOptions) -> dict[str, Any]:
-    return dict(
-        chunk_size=chunk_size,
-        remainder=options.remainder,
-        checkpoint=options.checkpoint,
-        progress_meter=options.progress_meter,
-        api=options.api,
-    )
+def _loop_options(chunk_size: int, options: ChunkOptions) -> LoopOptions:
+    o = options
+    return LoopOptions(chunk_size, o.remainder, o.checkpoint, o.progress_meter, o.api)
 
 
 def _run_local(
@@ -335,7 +333,7 @@ def _run_local(
     """One `vmap` of the batch, or a scan over its chunks."""
     chunk_fn: ChunkFn = ft.partial(batch.chunk, batch.closed)
     if chunk_size is None or chunk_size >= batch.size:
-        return chunk_fn(batch.mapped, batch.size)
+        return reduced(chunk_fn(batch.mapped, batch.size))
     if batch.check is not None:
         batch.check(batch.closed, batch.mapped, chunk_size)
     return run_in_chunks(
@@ -343,7 +341,7 @@ def _run_local(
         batch.mapped,
         batch.in_axes,
         batch_size=batch.size,
-        **_loop_options(chunk_size, options),
+        options=_loop_options(chunk_size, options),
     )
 
 
@@ -366,14 +364,15 @@ def _run_staged(
         batch_size=batch.size,
         axis_name=options.axis_name,
         api=options.api,
+        sum_match=batch.sum_match,
     )
     loop = _loop_options(chunk_size, options)
     consts = staged.plan.program.consts
     if sharding is None:
-        return run_staged_vmap(staged, consts, batch.mapped, **loop)
+        return run_staged_vmap(staged, consts, batch.mapped, loop)
     shard = Shard(sharding.axis_names, sharding.num_devices)
     run = lambda _consts, _mapped, _: run_staged_vmap(  # noqa: E731
-        staged, _consts, _mapped, shard=shard, **loop
+        staged, _consts, _mapped, loop, shard
     )
     return run_sharded(
         run,

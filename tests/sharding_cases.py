@@ -11,6 +11,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import numpy as np
@@ -544,3 +545,27 @@ def test_sizes_read_on_a_shard_are_the_batch(name, chunk_size):
         out = chunked(put(x, mesh, "batch"))
     assert same(out[0], x * 30) and out[1] == 40
     assert split_like(out[0], mesh, "batch")
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("chunk_size", (2, 5, None))
+def test_sum_match_sums_every_device(axis_type, chunk_size, getkey):
+    # Each device accumulates its shard's sum, then the devices' sums are added;
+    # with a collective over the axis, through the staged passes.
+    mesh = mesh_1d(axis_type)
+    x = jr.normal(getkey(), (40, 3))
+    w = jr.normal(getkey(), (3,))
+    plain = lambda w, x: (x * w, jnp.sin(x) * w, w * 2)
+    staged = lambda w, x: (x - lax.pmean(x, "i"), (x - lax.pmean(x, "i")) ** 2, w)
+    for f, name in ((plain, None), (staged, "i")):
+        kwargs: dict[str, Any] = dict(
+            in_axes=(None, 0), out_axes=(0, None, None), axis_name=name, sum_match=True
+        )
+        expected = eqx.filter_vmap(f, **kwargs)(w, x)
+        chunked = fc.filter_chunked_vmap(f, chunk_size=chunk_size, **kwargs)
+        # Outside `jit`, where the split is found in either mode.
+        with jax.set_mesh(mesh):
+            actual = chunked(w, put(x, mesh, "batch"))
+        assert same(actual, expected)
+        assert split_like(actual[0], mesh, "batch")
+        assert actual[1].sharding.is_fully_replicated

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 
 import filtered_chunk as fc
-from filtered_chunk._staged import run_staged
+from tests.staged_cases import run_staged
 
 from .helpers import tree_allclose
 from .meters import recorder

@@ -1,0 +1,113 @@
+"""Outputs that the loop accumulates over the batch instead of writing it.
+
+A chunk function may mark a batched output as accumulated (`ChunkOutput.reduce`):
+a sum (`"sum"`), a running maximum (`"max"`) or minimum (`"min"`) over its rows.
+The loop then carries one accumulator of the output's size, never a batch-sized
+buffer: each step reduces its chunk's rows along the output's batch axis and
+combines them with the accumulator. A row that the overlapping last step
+recomputes is counted once: the step's rows before `first_new` are masked out.
+
+A running maximum or minimum has no derivative in the loop (its tangent is zero);
+a chunk function that needs one's error or tangent carries it in a sum beside it
+(as the staged passes do for `pmax`).
+"""
+
+from typing import Any
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from ._jax_compat import varying_axes, with_weak_type
+
+
+KINDS = ("sum", "max", "min")
+
+
+def lowest(dtype: Any, which: str) -> Any:
+    """The identity of a running `which` (`"max"` or `"min"`) in `dtype`."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -np.inf if which == "max" else np.inf
+    if jnp.issubdtype(dtype, jnp.bool_):
+        return which != "max"
+    info = jnp.iinfo(dtype)
+    return info.min if which == "max" else info.max
+
+
+def identity(which: str, struct: Any, axis: int) -> Array:
+    """The empty accumulator of rows like `struct` (batched at `axis`): its
+    dtype, weak type, explicit sharding and varying manual axes."""
+    shape = struct.shape[:axis] + struct.shape[axis + 1 :]
+    fill = 0 if which == "sum" else lowest(struct.dtype, which)
+    if getattr(struct, "weak_type", False):
+        # A weak type only exists for the default dtypes: a Python scalar gives it.
+        out = lax.full(shape, struct.dtype.type(fill).item())
+    else:
+        out = jnp.full(shape, fill, struct.dtype)
+    varying = varying_axes(struct)
+    return lax.pcast(out, varying, to="varying") if varying else out
+
+
+def new_rows(
+    start: Int[Array, ""] | int, first_new: Int[Array, ""] | int, size: int
+) -> Array:
+    """Which of a step's `size` rows (from `start`) no earlier step computed."""
+    return start + jnp.arange(size) >= first_new
+
+
+def reduce_rows(which: str, rows: Array, axis: int, mask: Array | None) -> Array:
+    """`rows` reduced along `axis`, in their dtype, the rows outside `mask` left out."""
+    if mask is not None:
+        fill = 0 if which == "sum" else lowest(rows.dtype, which)
+        shape = [1] * rows.ndim
+        shape[axis] = -1
+        rows = jnp.where(mask.reshape(shape), rows, jnp.asarray(fill, rows.dtype))
+    if which == "sum":
+        # In the rows' dtype: `jnp.sum` promotes small integers, XLA's `psum`
+        # wraps around in them. A weak type is kept (`typed` by the caller).
+        out = jnp.sum(rows, axis=axis, dtype=rows.dtype)
+    else:
+        out = getattr(jnp, which)(rows, axis=axis)
+    return _like(out, rows)
+
+
+def combine(which: str, acc: Array, part: Array) -> Array:
+    """`acc` with one more step's reduced rows."""
+    if which == "sum":
+        out = acc + part
+    else:
+        out = getattr(jnp, f"{which}imum")(acc, part)
+    return _like(out, acc)
+
+
+def _like(x: Array, like: Array) -> Array:
+    """`x` with the dtype and weak type of `like`."""
+    weak = jax.typeof(like).weak_type
+    if x.dtype == like.dtype and jax.typeof(x).weak_type == weak:
+        return x
+    return with_weak_type(lax.convert_element_type(x, like.dtype), weak)
+
+
+def overlap_weights(
+    start: Int[Array, ""], size: int, batch_size: int, covered: int
+) -> Array:
+    """Per row of a step from `start`: `0.5` for a row that two steps compute
+    (the overlap of the last step, `[batch_size - size, covered)`), else `1`.
+
+    The derivative of an accumulated sum weighs each copy of a recomputed row by
+    half, so that its cotangent is split as the written outputs' is
+    (`_derivatives._Loop.merge`): keeping one copy would give the other a zero
+    cotangent, and `0 * inf` turns an infinite derivative into `nan`.
+    """
+    positions = start + jnp.arange(size)
+    twice = (positions >= batch_size - size) & (positions < covered)
+    return jnp.where(twice, 0.5, 1.0)
+
+
+def zeros_like(x: Array) -> Array:
+    """Zeros of `x`'s shape and dtype, strongly typed, varying like it."""
+    varying = varying_axes(jax.typeof(x))
+    out = jnp.zeros(x.shape, x.dtype)
+    return lax.pcast(out, varying, to="varying") if varying else out
