@@ -20,7 +20,9 @@ from ._axes import (
     is_array,
     resolve_axes,
     run_tagged,
+    varying_unmapped,
 )
+from ._batch import Batch, run_batch
 from ._boundary import deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
@@ -35,12 +37,10 @@ from ._custom_types import (
 from ._progress import AbstractProgressMeter
 from ._wrapper import (
     AbstractMappedPlan,
-    Batch,
     Bound,
     ChunkOptions,
     ChunkSizeSpec,
     Fun,
-    run_batch,
     wrap,
 )
 
@@ -229,12 +229,8 @@ def _check_unbatched(
             raise
         index = path[0] if len(path) == 1 else len(paths)
         where = f"`{paths[index]}`" if index < len(paths) else "an output"
-        raise ValueError(
-            f"`{_API}(..., out_axes=...)` gives `None` for {where}, but it depends "
-            "on the mapped inputs, so each chunk would compute a different value. "
-            "An output marked `None` must not depend on the batch; give it the "
-            "integer axis along which `fun` returns the batch instead."
-        ) from None
+        fix = "give it the integer axis along which `fun` returns the batch instead"
+        raise varying_unmapped(_API, where, fix) from None
 
 
 class _ApplyPlan(AbstractMappedPlan):

@@ -51,13 +51,17 @@ def batched_none_path(e: BaseException) -> tuple[int, ...] | None:
     return None if raised_by_fun(e) else batched_none_output(e)
 
 
-def varying_unmapped(api: str, where: str) -> ValueError:
-    """The error for an output marked `out_axes=None` that varies over the batch
-    (`where`: the output, as `describe` names it, in backticks)."""
+def varying_unmapped(api: str, where: str, fix: str | None = None) -> ValueError:
+    """The one error for an output marked `out_axes=None` that varies over the
+    batch (`where`: the output, as `describe` names it, in backticks), with what
+    to do instead (`fix`; by default, map it)."""
+    if fix is None:
+        fix = "give it an integer out axis to map it instead"
+        if api == "filter_chunked_vmap":
+            fix += ", or pass `sum_match=True` to sum it over the batch"
     return ValueError(
         f"`{api}(..., out_axes=...)` gives `None` for {where}, but it varies over the "
-        "batch. An output marked `None` must not depend on the mapped inputs; give "
-        "it an integer out axis to map it instead."
+        f"batch. An output marked `None` must not depend on the mapped inputs; {fix}."
     )
 
 

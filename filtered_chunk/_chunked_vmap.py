@@ -23,6 +23,7 @@ from ._axes import (
     run_tagged,
     varying_unmapped,
 )
+from ._batch import Batch, run_batch
 from ._boundary import deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
@@ -36,15 +37,13 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._progress import AbstractProgressMeter
-from ._summed import as_sums, merge_varying, split_varying
+from ._summed import split_varying, summed_output, with_sums
 from ._wrapper import (
     AbstractMappedPlan,
-    Batch,
     Bound,
     ChunkOptions,
     ChunkSizeSpec,
     Fun,
-    run_batch,
     wrap,
 )
 
@@ -120,7 +119,7 @@ class _VmapPlan(AbstractMappedPlan):
         )
         out = run_batch(batch, chunk_size, options, bound.sharding)
         if self.sum_match:
-            return _with_sums(out)
+            return with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
 
@@ -210,7 +209,7 @@ def _chunk_fn(
         raise varying_unmapped(_API, where) from None
     if sum_match:
         where = (list(varies), treedef.value)
-        return _summed_output(out_mapped, static, summed, unmapped_leaves, where)
+        return summed_output(out_mapped, static, summed, unmapped_leaves, where)
     out_static, out_axes = static.value
     out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
     # What no trace computed is returned as it is (`jax.vmap` does the same).
@@ -220,35 +219,6 @@ def _chunk_fn(
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
     return ChunkOutput(out_mapped, axes, out_unmapped, out_static)
-
-
-def _summed_output(
-    out_mapped: Any, static: Any, summed: list[Any], unmapped: list[Any], where: Any
-) -> ChunkOutput:
-    """`_chunk_fn`'s output with `sum_match`: the unmapped leaves flat, the summed
-    ones accumulated after the mapped ones (`where`: which varied, and the
-    unmapped outputs' tree)."""
-    out_static, out_axes = static.value
-    axes = tuple(jtu.tree_leaves(out_axes))
-    moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
-    summed = as_sums(summed)
-    # What no trace computed is returned as it is (`jax.vmap` does the same).
-    rest, kept = keep_untraced(list(unmapped))
-    batched = (jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved), summed)
-    kinds = (None,) * len(axes) + ("sum",) * len(summed)
-    static = Static((out_static, kept, *where))
-    return ChunkOutput(batched, axes + (0,) * len(summed), rest, static, kinds)
-
-
-def _with_sums(out: ChunkOutput) -> Any:
-    """`filter_chunked_vmap`'s output from `_summed_output`'s, once summed."""
-    (out_mapped, summed), (out_static, kept, varies, treedef) = (
-        out.batched,
-        out.static.value,
-    )
-    rest = [x if k is None else k for x, k in zip(out.unbatched, kept, strict=True)]
-    out_unmapped = jtu.tree_unflatten(treedef, merge_varying(varies, summed, rest))
-    return unwrap_kept(eqx.combine(out_mapped, out_unmapped, out_static))
 
 
 @overload

@@ -24,7 +24,7 @@ SpmdAxisName: TypeAlias = str | tuple[str, ...] | None
 
 
 class ChunkOutput(NamedTuple):
-    """What a chunk function returns (see `_chunking.py`)."""
+    """What a chunk function returns (see `_loop/_run.py`)."""
 
     batched: PyTree[Array]
     batched_axes: tuple[int, ...]
@@ -32,7 +32,7 @@ class ChunkOutput(NamedTuple):
     static: Any
     # Per leaf of `batched`: `None` (written at full batch size), or the kind of
     # accumulator (`"sum"`, `"max"`, `"min"`) that the loop folds its rows into
-    # (`_accumulate.py`). `None` for the whole tuple: every leaf is written.
+    # (`_loop/_accumulate.py`). `None` for the whole tuple: every leaf is written.
     reduce: tuple[str | None, ...] | None = None
 
     def kinds(self) -> tuple[str | None, ...]:
@@ -43,7 +43,7 @@ class ChunkOutput(NamedTuple):
 
 
 class LoopOptions(NamedTuple):
-    """How the loop over chunks runs (`_chunking.run_in_chunks`): what every
+    """How the loop over chunks runs (`_loop.run_in_chunks`): what every
     chunked transform takes besides `fun`, once the chunk size is an integer."""
 
     chunk_size: int

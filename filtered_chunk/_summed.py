@@ -2,7 +2,7 @@
 
 `jax.vmap(..., sum_match=True)` sums such an output over the batch (in `jnp.sum`'s
 dtype: small integers and booleans promote) and returns one that does not vary as
-it is. Chunked, a summed output is an accumulator of the loop (`_accumulate.py`):
+it is. Chunked, a summed output is an accumulator of the loop (`_loop/_accumulate.py`):
 its memory is its own size, never the batch's.
 
 Whether an output varies is what `jax.vmap`'s own batching rules say, found while
@@ -16,12 +16,17 @@ what it maps; it is never read.)
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.core
 import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from equinox.internal import Static
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
+from ._custom_types import ChunkOutput, keep_untraced, unwrap_kept
 from ._jax_compat import with_weak_type
 
 
@@ -73,3 +78,32 @@ def merge_varying(varies: list[bool], summed: list[Any], rest: list[Any]) -> lis
     """The outputs in their order again: `split_varying`'s inverse."""
     summed_iter, rest_iter = iter(summed), iter(rest)
     return [next(summed_iter) if v else next(rest_iter) for v in varies]
+
+
+def summed_output(
+    out_mapped: Any, static: Any, summed: list[Any], unmapped: list[Any], where: Any
+) -> ChunkOutput:
+    """`_chunk_fn`'s output with `sum_match`: the unmapped leaves flat, the summed
+    ones accumulated after the mapped ones (`where`: which varied, and the
+    unmapped outputs' tree)."""
+    out_static, out_axes = static.value
+    axes = tuple(jtu.tree_leaves(out_axes))
+    moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
+    summed = as_sums(summed)
+    # What no trace computed is returned as it is (`jax.vmap` does the same).
+    rest, kept = keep_untraced(list(unmapped))
+    batched = (jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved), summed)
+    kinds = (None,) * len(axes) + ("sum",) * len(summed)
+    static = Static((out_static, kept, *where))
+    return ChunkOutput(batched, axes + (0,) * len(summed), rest, static, kinds)
+
+
+def with_sums(out: ChunkOutput) -> Any:
+    """`filter_chunked_vmap`'s output from `summed_output`'s, once summed."""
+    (out_mapped, summed), (out_static, kept, varies, treedef) = (
+        out.batched,
+        out.static.value,
+    )
+    rest = [x if k is None else k for x, k in zip(out.unbatched, kept, strict=True)]
+    out_unmapped = jtu.tree_unflatten(treedef, merge_varying(varies, summed, rest))
+    return unwrap_kept(eqx.combine(out_mapped, out_unmapped, out_static))

@@ -12,10 +12,10 @@ a [`Chunked`][] module holding `fun`, the transform's *plan* and the
 4. the eager path: outside `jit`, a chunked call runs as one compiled program
    (`_eager.py`); traced, it runs inline;
 5. `plan.evaluate`, which builds its chunk function and hands it to
-   [`run_batch`][]: after the one collective analysis (`_collectives.py`), per
+   [`run_batch`][]: after the one collective analysis (`_staged/_analysis.py`), per
    device if the batch is sharded (`_sharding.py`), then one `vmap`, the loop
-   (`_chunking.py`) or, for collectives across chunks, the staged loops
-   (`_staged.py`); the plan finishes the outputs.
+   (`_loop/`) or, for collectives across chunks, the staged loops
+   (`_staged/`); the plan finishes the outputs.
 
 A transform contributes only what differs: how its arguments bind, its chunk
 function, how its outputs are finished (see `docs/internals.md`).
@@ -23,7 +23,6 @@ function, how its outputs are finished (see `docs/internals.md`).
 
 import abc
 import dataclasses
-import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
 
@@ -45,14 +44,8 @@ from ._budget import (
     MemoryBudget,
     normalise_chunk_size,
 )
-from ._chunking import reduced, run_in_chunks
-from ._collectives import NONE, schedule_collectives, STAGED, WHOLE
 from ._custom_types import (
     CheckpointSpec,
-    ChunkFn,
-    ChunkOutput,
-    InputArray,
-    LoopOptions,
     REMAINDERS,
     SpmdAxisName,
 )
@@ -63,9 +56,7 @@ from ._sharding import (
     BatchSharding,
     check_spmd_axis_name,
     find_batch_sharding,
-    run_sharded,
 )
-from ._staged import output_shapes, plan_staged_vmap, run_staged_vmap, Shard
 
 
 # What a transform holds: a fixed chunk size, none, or a budget to choose one.
@@ -94,26 +85,6 @@ class Bound(NamedTuple):
     in_axes: PyTree[int | None] = None  # each leaf's mapped axis
     batch_size: int | None = None  # `None`: nothing mapped (or not known yet)
     sharding: BatchSharding | None = None  # the mesh axes the batch is split over
-
-
-class Batch(NamedTuple):
-    """What a plan hands to [`run_batch`][]: `size` elements of `mapped` (at
-    `in_axes`), and how to evaluate them, as functions of what they close over
-    (`closed`, arrays included), so that they can be rebuilt inside `shard_map`."""
-
-    chunk: Callable[[Any, PyTree[InputArray], int], ChunkOutput]
-    closed: PyTree[Any]
-    mapped: PyTree[InputArray]
-    in_axes: PyTree[int | None]
-    size: int
-    # `fun` on one element, returning `(mapped outputs, unmapped arrays,
-    # Static((the rest, out_axes)))`: for collectives over `axis_name`, which the
-    # staged evaluation computes across chunks (`_staged.run_staged_vmap`).
-    element: Callable[[Any, PyTree[Any]], Any] | None = None
-    # The transform's own check of `fun`, before a loop of chunks of that size.
-    check: Callable[[Any, PyTree[InputArray], int], None] | None = None
-    # `sum_match=True`: the unmapped outputs that vary over the batch are summed.
-    sum_match: bool = False
 
 
 class AbstractPlan(eqx.Module):
@@ -275,134 +246,3 @@ class AbstractMappedPlan(AbstractPlan):
         if self.sharded and batch_size is not None:
             sharding = find_batch_sharding(tree, axes, options.spmd_axis_name, api)
         return Bound(tree, axes, batch_size, sharding)
-
-
-def run_batch(
-    batch: Batch,
-    chunk_size: int | None,
-    options: ChunkOptions,
-    sharding: BatchSharding | None = None,
-) -> ChunkOutput:
-    """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
-    `chunk_size`, or the staged loops for collectives over `axis_name`; on each
-    device's shard if `sharding` splits it."""
-    schedule = _schedule(batch, chunk_size, options, sharding)
-    if schedule == WHOLE:
-        # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
-        # collective across the devices.
-        return _run_local(batch, None, options)
-    if schedule == STAGED:
-        assert chunk_size is not None and batch.element is not None
-        return _run_staged(batch, chunk_size, options, sharding)
-    if sharding is None:
-        return _run_local(batch, chunk_size, options)
-    # Each device chunks its own shard: see `_sharding.py`. What the batch closes
-    # over is an input there: closing over tracers breaks the transpose of
-    # `shard_map`.
-    on_device = batch._replace(closed=None, mapped=None, size=0)
-    return run_sharded(
-        ft.partial(_on_device, on_device, chunk_size, options),
-        batch.closed,
-        ft.partial(batch.chunk, batch.closed),
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        sharding=sharding,
-        api=options.api,
-    )
-
-
-def _on_device(
-    batch: Batch, chunk_size: int | None, options: ChunkOptions, *local: Any
-) -> ChunkOutput:
-    """`_run_local` on one device's `closed, mapped, size`."""
-    closed, mapped, size = local
-    return _run_local(
-        batch._replace(closed=closed, mapped=mapped, size=size), chunk_size, options
-    )
-
-
-def _loop_options(chunk_size: int, options: ChunkOptions) -> LoopOptions:
-    o = options
-    return LoopOptions(chunk_size, o.remainder, o.checkpoint, o.progress_meter, o.api)
-
-
-def _run_local(
-    batch: Batch, chunk_size: int | None, options: ChunkOptions
-) -> ChunkOutput:
-    """One `vmap` of the batch, or a scan over its chunks."""
-    chunk_fn: ChunkFn = ft.partial(batch.chunk, batch.closed)
-    if chunk_size is None or chunk_size >= batch.size:
-        return reduced(chunk_fn(batch.mapped, batch.size))
-    if batch.check is not None:
-        batch.check(batch.closed, batch.mapped, chunk_size)
-    return run_in_chunks(
-        chunk_fn,
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        options=_loop_options(chunk_size, options),
-    )
-
-
-def _run_staged(
-    batch: Batch,
-    chunk_size: int,
-    options: ChunkOptions,
-    sharding: BatchSharding | None,
-) -> ChunkOutput:
-    """The staged loops (`_staged.py`), on each device's shard if `sharding`.
-
-    The call is planned once, for the whole batch and outside any `shard_map`;
-    its constants (what `fun` closes over) enter `shard_map` as inputs.
-    """
-    assert batch.element is not None
-    staged = plan_staged_vmap(
-        ft.partial(batch.element, batch.closed),
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        axis_name=options.axis_name,
-        api=options.api,
-        sum_match=batch.sum_match,
-    )
-    loop = _loop_options(chunk_size, options)
-    consts = staged.plan.program.consts
-    if sharding is None:
-        return run_staged_vmap(staged, consts, batch.mapped, loop)
-    shard = Shard(sharding.axis_names, sharding.num_devices)
-    run = lambda _consts, _mapped, _: run_staged_vmap(  # noqa: E731
-        staged, _consts, _mapped, loop, shard
-    )
-    return run_sharded(
-        run,
-        consts,
-        lambda _, size: output_shapes(staged, size),
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        sharding=sharding,
-        api=options.api,
-        check_vma=False,
-    )
-
-
-def _schedule(
-    batch: Batch,
-    chunk_size: int | None,
-    options: ChunkOptions,
-    sharding: BatchSharding | None,
-) -> str:
-    """What collectives over `axis_name` make of the batch (see
-    `schedule_collectives`)."""
-    if batch.element is None:
-        return NONE
-    return schedule_collectives(
-        ft.partial(batch.element, batch.closed),
-        batch.mapped,
-        batch.in_axes,
-        options.axis_name,
-        batch_size=batch.size,
-        chunk_size=chunk_size,
-        sharding=sharding,
-    )

@@ -1,7 +1,7 @@
 """Collectives over `axis_name` through the public transform: exact with one chunk
 and across chunks (staged), refused where only a derivative rule holds them.
 
-The staged evaluation itself is tested in `test_staged.py`."""
+The staged evaluation itself is tested in `test_collectives_staged.py`."""
 
 from typing import Any
 

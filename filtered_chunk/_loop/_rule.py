@@ -39,8 +39,6 @@ impose: each tangent passes `_weak_types.fork`/`join` where it enters and leaves
 the loop (`tests/test_derivatives.py::test_weak_types_of_derivatives_match_jax`).
 """
 
-import dataclasses
-import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -51,17 +49,22 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
-from ._accumulate import overlap_weights, zeros_like as _zeros_like
-from ._custom_types import CheckpointSpec, InputArray, is_none
-from ._reporting import report_step, Reporter
-from ._weak_types import fork, join, strong_and_weak
+from .._custom_types import CheckpointSpec, InputArray, is_none
+from .._reporting import report_step, Reporter
+from ._accumulate import zeros_like as _zeros_like
+from ._schedule import Schedule, WriteFn
+from ._weak_types import (
+    fork_output,
+    fork_outputs,
+    fork_tree,
+    is_weak as _weak,
+    join,
+    join_tree,
+    strong_and_weak,
+)
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
-# `write(buffers, chunk, start, first_new)`: the step's chunk (at `start`) written
-# into the buffers and folded into the accumulators, whose rows before `first_new`
-# an earlier step counted (`None`: none).
-WriteFn = Callable[[list[Array], list[Array], Any, Any], list[Array]]
 
 
 def _inexact(x: InputArray) -> bool:
@@ -85,119 +88,8 @@ def checkpointed(fn: Callable[..., Any], checkpoint: CheckpointSpec) -> Callable
     return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=False)
 
 
-class _Loop(eqx.Module):
-    """The schedule of one loop: steps of `chunk_size` elements starting at
-    `i * chunk_size`, the last clamped to end at `batch_size` (an overlapping chunk)
-    when `num_steps` exceeds the number of whole chunks."""
-
-    in_axes: Any = eqx.field(static=True)
-    axes: tuple[int, ...] = eqx.field(static=True)
-    batch_size: int = eqx.field(static=True)
-    chunk_size: int = eqx.field(static=True)
-    num_steps: int = eqx.field(static=True)
-    checkpoint: CheckpointSpec = eqx.field(static=True)
-    write: WriteFn = eqx.field(static=True)
-    reporter: Reporter | None = eqx.field(static=True, default=None)
-    # Per output: written (`None`) or accumulated (`_accumulate.py`).
-    kinds: tuple[str | None, ...] = eqx.field(static=True, default=())
-
-    @property
-    def num_whole(self) -> int:
-        return min(self.num_steps, self.batch_size // self.chunk_size)
-
-    @property
-    def overlaps(self) -> bool:
-        """Whether the last step recomputes rows that the one before computed."""
-        return self.num_steps > self.num_whole
-
-    def first_new(self, index: Int[Array, ""]) -> Int[Array, ""] | None:
-        """The first row of step `index` that no earlier step computed."""
-        return index * self.chunk_size if self.overlaps else None
-
-    def row_sum(self, t: Any, axis: int, start: Int[Array, ""]) -> Array:
-        """The tangent of a step's accumulated sum from its rows' tangents `t`:
-        each copy of a recomputed row weighs half (`overlap_weights`)."""
-        if self.overlaps:
-            covered = self.num_whole * self.chunk_size
-            w = overlap_weights(start, self.chunk_size, self.batch_size, covered)
-            shape = [1] * t.ndim
-            shape[axis] = -1
-            t = t * w.reshape(shape).astype(t.dtype)
-        return jnp.sum(t, axis=axis)
-
-    def starts(self) -> Int[Array, " num_steps"]:
-        last = self.batch_size - self.chunk_size
-        return jnp.minimum(jnp.arange(self.num_steps) * self.chunk_size, last)
-
-    def slice(self, inputs: PyTree[InputArray], start: Int[Array, ""]) -> PyTree[Array]:
-        def _slice(axis: int, x: InputArray) -> Array:
-            # `start` is never negative: skip JAX's wrap-around of negative indices.
-            return lax.dynamic_slice_in_dim(
-                x, start, self.chunk_size, axis=axis, allow_negative_indices=False
-            )
-
-        return jtu.tree_map(_slice, self.in_axes, inputs)
-
-    def split(self, x: InputArray, axis: int) -> Array:
-        """The chunk of `x` that each step reads, stacked on a new leading axis."""
-        whole = self.num_whole * self.chunk_size
-        shape = x.shape[:axis] + (self.num_whole, self.chunk_size) + x.shape[axis + 1 :]
-        stack = jnp.moveaxis(
-            lax.slice_in_dim(x, 0, whole, axis=axis).reshape(shape), axis, 0
-        )
-        if self.num_steps == self.num_whole:
-            return stack
-        last = lax.slice_in_dim(x, self.batch_size - self.chunk_size, None, axis=axis)
-        return jnp.concatenate([stack, last[None]])
-
-    def without_overlap(self) -> "_Loop":
-        """The loop of whole chunks alone."""
-        return dataclasses.replace(self, num_steps=self.num_whole)
-
-    def leftover(self) -> "_Loop":
-        """The one step over the rows that no whole chunk covers."""
-        covered = self.num_whole * self.chunk_size
-        return dataclasses.replace(
-            self, chunk_size=self.batch_size - covered, num_steps=1
-        )
-
-    def merge(self, stack: Array, axis: int, rest: InputArray | None = None) -> Array:
-        """Inverse of `split` for output tangents; rows that no step writes are
-        `rest` (the leftover's rows, evaluated apart) or zero (a separate
-        remainder).
-
-        A row that two steps compute (the overlap of the last step) is the mean
-        of its two copies. Both are the same computation on the same values, so
-        the tangent is unchanged (`0.5 * t + 0.5 * t == t`), and the transpose
-        gives each copy half the cotangent. Keeping one copy instead would give
-        the other a zero cotangent, and `0 * inf` turns an infinite derivative
-        (`jnp.sqrt` at zero) into `nan` where `jax.vmap` gives `inf`.
-        """
-        whole = jnp.moveaxis(stack[: self.num_whole], 0, axis)
-        shape = whole.shape[:axis] + (-1,) + whole.shape[axis + 2 :]
-        rows = whole.reshape(shape)
-        covered = self.num_whole * self.chunk_size
-        parts = [rows]
-        if self.num_steps > self.num_whole:
-            first = self.batch_size - self.chunk_size  # where the last step starts
-            last = stack[-1]
-            overlap = covered - first
-            mean = 0.5 * lax.slice_in_dim(rows, first, None, axis=axis)
-            mean = mean + 0.5 * lax.slice_in_dim(last, 0, overlap, axis=axis)
-            parts = [lax.slice_in_dim(rows, 0, first, axis=axis), mean]
-            parts.append(lax.slice_in_dim(last, overlap, None, axis=axis))
-            covered = self.batch_size
-        if covered < self.batch_size:
-            if rest is None:
-                shape = list(rows.shape)
-                shape[axis] = self.batch_size - covered
-                rest = jnp.zeros(shape, stack.dtype)
-            parts.append(jnp.asarray(rest))
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis)
-
-
 def _primal_step(
-    fn: ArraysFn, inputs: PyTree[InputArray], start: Int[Array, ""], loop: _Loop
+    fn: ArraysFn, inputs: PyTree[InputArray], start: Int[Array, ""], loop: Schedule
 ) -> tuple[list[Array], PyTree[Array]]:
     return _as_arrays(fn(loop.slice(inputs, start)))
 
@@ -208,7 +100,7 @@ def _jvp_step(
     inputs: PyTree[InputArray],
     start: Int[Array, ""],
     t_chunk: PyTree[Array | None],
-    loop: _Loop,
+    loop: Schedule,
 ) -> tuple[Any, Any]:
     """One chunk's outputs and their tangents (`None` where the tangent is zero),
     each a strongly and a weakly typed copy (`strong_and_weak`)."""
@@ -237,7 +129,7 @@ def _run(
     unbatched: PyTree[Array],
     rest_fn: ArraysFn | None,
     *,
-    loop: _Loop,
+    loop: Schedule,
 ) -> tuple[list[Array], PyTree[Array]]:
     del rest_fn  # only for the derivative (`_run_jvp`)
     # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
@@ -252,7 +144,7 @@ def _run(
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
         _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
-        _buffers = loop.write(_buffers, _chunk, start, loop.first_new(index))
+        _buffers = loop.write(_buffers, _chunk, start, loop.first_new(start))
         # After the write: the report reads the written buffers, so it follows the
         # step's work.
         report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
@@ -267,7 +159,7 @@ def _run(
 
 @_run.def_jvp
 def _run_jvp(
-    primals: tuple[Any, ...], tangents: tuple[Any, ...], *, loop: _Loop
+    primals: tuple[Any, ...], tangents: tuple[Any, ...], *, loop: Schedule
 ) -> tuple[Any, Any]:
     fn, inputs, buffers, unbatched, rest_fn = primals
     t_fn, t_inputs, t_buffers, _, t_rest_fn = tangents
@@ -281,7 +173,7 @@ def _run_jvp(
     # outputs) and the leftover: its cotangent keeps the weak type they give it
     # (`_weak_types.py`).
     shapes = [(steps.num_steps, 0), (0,)] + ([(0,)] if apart else [])
-    (t_fn, t_inputs), steps_probes, first_probes, *rest_probes = _fork_tree(
+    (t_fn, t_inputs), steps_probes, first_probes, *rest_probes = fork_tree(
         (t_fn, t_inputs), shapes
     )
     t_chunks = jtu.tree_map(
@@ -300,15 +192,15 @@ def _run_jvp(
 
     def _body(carry: tuple[Any, Any, Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
         _buffers, _, _t_sums = carry
-        index, start, _t_chunk, _probes = xs
-        _t_fn, _t_chunk = _join_tree((t_fn, _t_chunk), _probes)
+        start, _t_chunk, _probes = xs
+        _t_fn, _t_chunk = join_tree((t_fn, _t_chunk), _probes)
         (_chunk, _unbatched), (_t_out, _) = step(
             fn, _t_fn, inputs, start, _t_chunk, loop
         )
-        _buffers = loop.write(_buffers, _chunk, start, steps.first_new(index))
+        _buffers = loop.write(_buffers, _chunk, start, steps.first_new(start))
         # Its operands are primal values: reverse mode reports in the forward pass.
         report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
-        _t_out, _out_probes = _fork_outputs(_t_out)
+        _t_out, _out_probes = fork_outputs(_t_out)
         _t_sums = [
             acc if acc is None else acc + steps.row_sum(t, axis, start)
             for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
@@ -316,11 +208,8 @@ def _run_jvp(
         _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
         return (_buffers, _unbatched, _t_sums), (_t_out, _out_probes)
 
-    indices = jnp.arange(steps.num_steps)
     (buffers, unbatched, t_sums), (t_stacks, out_probes) = lax.scan(
-        _body,
-        (buffers, unbatched, t_sums),
-        (indices, steps.starts(), t_chunks, steps_probes),
+        _body, (buffers, unbatched, t_sums), (steps.starts(), t_chunks, steps_probes)
     )
     # An accumulated sum's tangent is its carry; a running maximum's is zero.
     t_stacks = [t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)]
@@ -345,10 +234,10 @@ def _run_jvp(
         for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
     ]
     t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
-    t_first = _join_tree((t_fn, t_first), first_probes)
+    t_first = join_tree((t_fn, t_first), first_probes)
     t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
     t_unbatched = jtu.tree_map(
-        lambda u, t: None if t is None else join(*_fork_output(t), _weak(u)),
+        lambda u, t: None if t is None else join(*fork_output(t), _weak(u)),
         unbatched,
         t_unbatched,
     )
@@ -363,7 +252,7 @@ def _leftover(
     probes: Any,
     buffers: list[Array],
     scanned: tuple[list[Any], list[Any]],
-    loop: _Loop,
+    loop: Schedule,
 ) -> tuple[list[Array], list[Any], list[Any]]:
     """The leftover's rows, evaluated apart: written into `buffers`, their
     tangents after the whole chunks' (`scanned`: stacks and their probes)."""
@@ -371,7 +260,7 @@ def _leftover(
     rest = loop.leftover()
     covered = loop.num_whole * loop.chunk_size
     start = jnp.asarray(covered)
-    t_rest_fn, fn_probes = _fork_tree(t_rest_fn, [(0,)])
+    t_rest_fn, fn_probes = fork_tree(t_rest_fn, [(0,)])
     t_rest = jtu.tree_map(
         lambda axis, t: (
             None if t is None else lax.slice_in_dim(t, covered, None, axis=axis)
@@ -380,11 +269,11 @@ def _leftover(
         t_inputs,
         is_leaf=is_none,
     )
-    t_rest_fn, t_rest = _join_tree((t_rest_fn, t_rest), (fn_probes, probes[1]))
+    t_rest_fn, t_rest = join_tree((t_rest_fn, t_rest), (fn_probes, probes[1]))
     (chunk, _), (t_out, _) = step(rest_fn, t_rest_fn, inputs, start, t_rest, rest)
     buffers = loop.write(buffers, chunk, start, None)
     report_step(loop.reporter, start, rest.chunk_size, buffers)
-    t_out, rest_probes = _fork_outputs(t_out)
+    t_out, rest_probes = fork_outputs(t_out)
     whole = loop.without_overlap()
     t_rows, probes_out = [], []
     for t, probe, t_last, last_probe, axis, which in zip(
@@ -403,82 +292,13 @@ def _leftover(
     return buffers, t_rows, probes_out
 
 
-def _weak(x: InputArray) -> bool:
-    return bool(jax.typeof(x).weak_type)
-
-
-def _fork_tree(
-    tangents: PyTree[InputArray | None], shapes: list[tuple[int, ...]]
-) -> tuple[PyTree[InputArray | None], ...]:
-    """`fork` of every tangent: the tangents, then a tree of probes per shape."""
-    leaves, treedef = jtu.tree_flatten(tangents, is_leaf=is_none)
-    columns: list[list[InputArray | None]] = [[] for _ in range(1 + len(shapes))]
-    for t in leaves:
-        t, probes = (None, [None] * len(shapes)) if t is None else fork(t, shapes)
-        for column, x in zip(columns, [t, *probes], strict=True):
-            column.append(x)
-    return tuple(jtu.tree_unflatten(treedef, column) for column in columns)
-
-
-def _join_tree(
-    tangents: PyTree[InputArray | None], probes: PyTree[InputArray | None]
-) -> PyTree[InputArray | None]:
-    return jtu.tree_map(
-        lambda t, p: None if t is None else join(t, p),
-        tangents,
-        probes,
-        is_leaf=is_none,
-    )
-
-
-def _fork_output(t: tuple[InputArray, InputArray]) -> tuple[InputArray, InputArray]:
-    """One tangent (from its two copies) and a probe."""
-    out, (probe,) = fork(t, [(0,)])
-    return out, probe
-
-
-def _fork_outputs(
-    t_out: list[tuple[InputArray, InputArray] | None],
-) -> tuple[list[InputArray | None], list[InputArray | None]]:
-    forked = [(None, None) if t is None else _fork_output(t) for t in t_out]
-    return [t for t, _ in forked], [probe for _, probe in forked]
-
-
-@ft.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
-def _slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
-    return lax.slice_in_dim(x, start, start + size, axis=axis)
-
-
-@_slice_rest.defjvp
-def _slice_rest_jvp(
-    start: int,
-    size: int,
-    axis: int,
-    primals: tuple[InputArray],
-    tangents: tuple[InputArray],
-) -> tuple[Array, InputArray]:
-    (x,), (t,) = primals, tangents
-    t, (probe,) = fork(t, [(0,)])
-    rest = join(_slice_rest(t, start, size, axis), probe)
-    return _slice_rest(x, start, size, axis), rest
-
-
-def slice_rest(x: InputArray, start: int, size: int, axis: int) -> Array:
-    """`size` elements of `x` from `start` along `axis`, whose cotangent has the
-    weak type of the remainder's (`_weak_types.py`): the remainder that
-    `remainder="separate"` slices off before its own loop."""
-    if _inexact(x):
-        return _slice_rest(x, start, size, axis)
-    return lax.slice_in_dim(x, start, start + size, axis=axis)
-
-
 def _unbatched_tangents(
     step: Callable[..., Any],
     fn: ArraysFn,
     inputs: PyTree[InputArray],
     t_first: tuple[Any, PyTree[InputArray | None]],
     unbatched: PyTree[Array],
-    loop: _Loop,
+    loop: Schedule,
 ) -> PyTree[InputArray | None]:
     """The tangents of the unbatched outputs, from the first step alone.
 
@@ -524,7 +344,7 @@ def scan_chunks(
     overlapping step (see the module's docstring).
     """
     kinds = kinds or (None,) * len(axes)
-    loop = _Loop(
+    loop = Schedule(
         in_axes,
         axes,
         batch_size,

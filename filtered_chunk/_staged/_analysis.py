@@ -6,7 +6,7 @@ reads the axis at all (`reads_axis`), and, in [`schedule_collectives`][], what i
 means for the call: nothing (`fun` never reads the axis, or one `vmap` of the
 whole batch), one `vmap` of the whole batch when it is split over devices into
 shards of one chunk each (XLA computes the collective across them), or the staged
-evaluation (`_staged.py`), which computes it exactly across chunks.
+evaluation (this sub-package), which computes it exactly across chunks.
 """
 
 import contextlib
@@ -16,13 +16,13 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
-import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import PyTree
 
-from ._sharding import BatchSharding
+from .._jaxprs import subjaxprs
+from .._sharding import BatchSharding
 
 
 def axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
@@ -35,17 +35,6 @@ def public_name(eqn: Any) -> str:
     """The name a user writes for the collective that `eqn` binds."""
     name = eqn.primitive.name
     return f"lax.{'psum_scatter' if name == 'reduce_scatter' else name}"
-
-
-def subjaxprs(value: Any) -> Iterator[Any]:
-    """The jaxprs in an equation's parameter (a jaxpr, a closed one, or a tuple)."""
-    if isinstance(value, jex.Jaxpr):
-        yield value
-    elif isinstance(value, jex.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from subjaxprs(v)
 
 
 def found_in(jaxpr: Any, axis_name: Hashable) -> list[str]:
@@ -161,7 +150,7 @@ _staging: list[Hashable] = []
 
 @contextlib.contextmanager
 def staging(axis_name: Hashable) -> Iterator[None]:
-    """While `fun` is traced to be staged over `axis_name` (`_staged_program.py`).
+    """While `fun` is traced to be staged over `axis_name` (`_program.py`).
 
     A chunked map nested in `fun` whose own function uses a collective over that
     axis evaluates its batch in one `vmap` (`schedule_collectives`): inside a loop
@@ -196,7 +185,7 @@ def schedule_collectives(
       `chunk_size=None`: XLA computes the collective across them.
     - `WHOLE` also when a chunked map is nested in a staged one and uses a
       collective over its axis (see `staging`).
-    - `STAGED`: the staged evaluation (`_staged.py`), on each device's shard if the
+    - `STAGED`: the staged evaluation (this sub-package), on each device's shard if the
       batch is split over devices, whenever `element` reads the axis: it traces
       `fun` with the axis at the batch size, so every size `fun` reads is the
       batch's, whatever the size of the chunks. It refuses, naming the

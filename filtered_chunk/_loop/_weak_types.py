@@ -26,22 +26,26 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
 from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
+from jaxtyping import PyTree
 
-from ._custom_types import InputArray
-from ._jax_compat import with_weak_type
+from .._custom_types import InputArray, is_none
+from .._jax_compat import with_weak_type
 
 
 Shape = tuple[int, ...]
 
 
-def _weak(x: Any) -> bool:
+def is_weak(x: Any) -> bool:
+    """Whether `x` is weakly typed."""
     return bool(jax.typeof(x).weak_type)
 
 
 def _retyped(x: InputArray, weak_type: bool | None) -> InputArray:
-    if weak_type is None or _weak(x) == weak_type:
+    if weak_type is None or is_weak(x) == weak_type:
         return x
     return with_weak_type(x, weak_type)
 
@@ -56,7 +60,8 @@ join_p = jex.Primitive("chunk_weak_type_join")
 
 
 def fork(
-    t: InputArray | tuple[InputArray, InputArray], shapes: Sequence[Shape]
+    t: InputArray | np.generic | tuple[InputArray, InputArray],
+    shapes: Sequence[Shape],
 ) -> tuple[InputArray, list[InputArray]]:
     """`t` and, per shape, a probe of that shape with no elements, whose cotangent
     gives `t`'s its weak type.
@@ -67,7 +72,8 @@ def fork(
     with the right type).
     """
     assert all(0 in shape for shape in shapes)
-    ts = t if isinstance(t, tuple) else (jnp.asarray(t),)  # a NumPy tangent
+    # A NumPy tangent (a scalar, for a closed-over NumPy constant).
+    ts = t if isinstance(t, tuple) else (jnp.asarray(t),)
     out = fork_p.bind(*ts, shapes=tuple(shapes))
     return out[0], list(out[1:])
 
@@ -96,7 +102,7 @@ def strong_and_weak(t: InputArray) -> tuple[InputArray, InputArray]:
 
 @fork_p.def_impl
 def _fork_impl(*ts: InputArray, shapes: tuple[Shape, ...]) -> list[InputArray]:
-    return [ts[0], *(_probe(shape, ts[0].dtype, _weak(ts[0])) for shape in shapes)]
+    return [ts[0], *(_probe(shape, ts[0].dtype, is_weak(ts[0])) for shape in shapes)]
 
 
 @fork_p.def_abstract_eval
@@ -125,8 +131,8 @@ def _fork_transpose(cts: Sequence[Any], *ts: Any, shapes: tuple[Shape, ...]) -> 
     ct, *probes = cts
     if type(ct) is ad.Zero:
         return [ad.Zero(t.aval) for t in ts]
-    seen = [_weak(p) for p in probes if type(p) is not ad.Zero]
-    weak_type = all(seen) if seen else _weak(ct)
+    seen = [is_weak(p) for p in probes if type(p) is not ad.Zero]
+    weak_type = all(seen) if seen else is_weak(ct)
     if len(ts) == 1:
         return [_retyped(ct, weak_type)]
     strong, weak = ts
@@ -141,7 +147,7 @@ def _join_transpose(ct: Any, t: Any, probe: Any, *, weak_type: bool | None) -> l
         return [ct, None]
     if type(ct) is ad.Zero:
         return [ct, ad.Zero(probe.aval)]
-    return [ct, _probe(probe.aval.shape, probe.aval.dtype, _weak(ct))]
+    return [ct, _probe(probe.aval.shape, probe.aval.dtype, is_weak(ct))]
 
 
 def _fork_jvp(primals: Any, tangents: Any, **params: Any) -> tuple[Any, Any]:
@@ -178,3 +184,41 @@ batching.primitive_batchers[fork_p] = _fork_batch
 batching.primitive_batchers[join_p] = _join_batch
 mlir.register_lowering(fork_p, mlir.lower_fun(_fork_impl, multiple_results=True))
 mlir.register_lowering(join_p, mlir.lower_fun(_join_impl, multiple_results=False))
+
+
+def fork_tree(
+    tangents: PyTree[Any], shapes: list[tuple[int, ...]]
+) -> tuple[PyTree[Any], ...]:
+    """`fork` of every tangent: the tangents, then a tree of probes per shape.
+
+    A tangent may be any array JAX hands a rule: a NumPy scalar among them (the
+    zero tangent of a closed-over NumPy constant)."""
+    leaves, treedef = jtu.tree_flatten(tangents, is_leaf=is_none)
+    columns: list[list[InputArray | None]] = [[] for _ in range(1 + len(shapes))]
+    for t in leaves:
+        t, probes = (None, [None] * len(shapes)) if t is None else fork(t, shapes)
+        for column, x in zip(columns, [t, *probes], strict=True):
+            column.append(x)
+    return tuple(jtu.tree_unflatten(treedef, column) for column in columns)
+
+
+def join_tree(tangents: PyTree[Any], probes: PyTree[Any]) -> PyTree[Any]:
+    return jtu.tree_map(
+        lambda t, p: None if t is None else join(t, p),
+        tangents,
+        probes,
+        is_leaf=is_none,
+    )
+
+
+def fork_output(t: tuple[InputArray, InputArray]) -> tuple[InputArray, InputArray]:
+    """One tangent (from its two copies) and a probe."""
+    out, (probe,) = fork(t, [(0,)])
+    return out, probe
+
+
+def fork_outputs(
+    t_out: list[tuple[InputArray, InputArray] | None],
+) -> tuple[list[InputArray | None], list[InputArray | None]]:
+    forked = [(None, None) if t is None else fork_output(t) for t in t_out]
+    return [t for t, _ in forked], [probe for _, probe in forked]

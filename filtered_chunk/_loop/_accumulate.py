@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from ._jax_compat import varying_axes, with_weak_type
+from .._jax_compat import varying_axes, with_weak_type
 
 
 KINDS = ("sum", "max", "min")
@@ -98,7 +98,7 @@ def overlap_weights(
 
     The derivative of an accumulated sum weighs each copy of a recomputed row by
     half, so that its cotangent is split as the written outputs' is
-    (`_derivatives._Loop.merge`): keeping one copy would give the other a zero
+    (`Schedule.merge`): keeping one copy would give the other a zero
     cotangent, and `0 * inf` turns an infinite derivative into `nan`.
     """
     positions = start + jnp.arange(size)

@@ -1,6 +1,6 @@
 """Staged collectives, part 2: which pass computes what.
 
-Given the flat per-element program (`_staged_program.py`), [`make_plan`][] gives
+Given the flat per-element program (`_program.py`), [`make_plan`][] gives
 each collective over the mapped axis its level, and each stage the equations it
 must evaluate: stage `s <= num_passes` computes the operands of the level-`s`
 collectives, reading the results of lower levels; the final stage computes every
@@ -16,8 +16,9 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
-from ._collectives import axis_names, in_derivatives, subjaxprs
-from ._staged_program import bind, CUSTOM, Program, varying_outputs
+from .._jaxprs import subjaxprs
+from ._analysis import axis_names, in_derivatives
+from ._program import bind, CUSTOM, Program, varying_outputs
 
 
 # Collectives that each element reads its own part of: always a pass, whose
@@ -114,7 +115,7 @@ def check_custom_rules(program: Program, api: str) -> None:
     evaluation cannot see it, and per chunk it would be wrong.
 
     Each custom-derivative call left in the program (none holds such a collective
-    in its primal: see `_staged_program.py`) is differentiated on its own, in
+    in its primal: see `_program.py`) is differentiated on its own, in
     reverse mode or, where that is not defined, in forward mode.
     """
     axis_name = program.axis_name

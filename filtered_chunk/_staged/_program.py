@@ -10,7 +10,7 @@ is what `jax.vmap` itself does with a batched predicate. What cannot be staged
 exactly raises here, before anything runs: see `_refuse`.
 
 A collective's *level* is one more than the highest level of the collectives its
-operand depends on; the staged evaluation (`_staged.py`) computes level `s` in its
+operand depends on; the staged evaluation (`_run.py`) computes level `s` in its
 `s`-th pass over the batch. A collective whose operand does not vary over the batch
 costs no pass (`psum` of it is `batch_size` times it, as in `jax.vmap`), nor does
 `axis_index` (the chunk's offset plus the position in the chunk).
@@ -26,7 +26,8 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._collectives import axis_names, found_in, public_name, staging, subjaxprs
+from .._jaxprs import subjaxprs
+from ._analysis import axis_names, found_in, public_name, staging
 
 
 # The primitives that JAX's collectives bind, under `jax.vmap` with `axis_name`.

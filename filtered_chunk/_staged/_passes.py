@@ -2,7 +2,7 @@
 each element then reads.
 
 A pass evaluates, for every chunk, the operands of the collectives at its level,
-and the loop folds them into one accumulator per operand (`_accumulate.py`): a sum
+and the loop folds them into one accumulator per operand (`_loop/_accumulate.py`): a sum
 (`psum`, `pmean`, `psum_scatter`), a running maximum or minimum (`pmax`, `pmin`),
 or the rows of a batch-sized buffer (`all_gather`, `ppermute`, `all_to_all`).
 After the loop, the names of outer axes in the same collective are reduced, and
@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from ._collectives import axis_names
-from ._jax_compat import with_weak_type
-from ._staged_program import bind, GATHERS
+from .._jax_compat import with_weak_type
+from ._analysis import axis_names
+from ._program import bind, GATHERS
 
 
 def kind(eqn: Any) -> str:

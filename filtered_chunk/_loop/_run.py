@@ -10,7 +10,7 @@ mapped inputs sliced to `size` elements along their mapped axes and returns
 
 Memory design: one `lax.scan` writes each chunk into preallocated outputs with
 `lax.dynamic_update_slice`, slicing its inputs with `lax.dynamic_slice` inside the
-body (checkpointed when differentiated: see `_derivatives.py`). With
+body (checkpointed when differentiated: see `_rule.py`). With
 `remainder="overlap"` the `ceil(batch_size / chunk_size)` steps use even chunks of
 at most `chunk_size` elements (`balanced_chunk_size`) and the last starts at
 `batch_size` minus that size, recomputing fewer elements than there are steps, so
@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
+from .._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
+from .._jax_compat import varying_axes, without_const_values
+from .._jaxprs import holds_custom_vjp
+from .._reporting import quiet, reporter
 from ._accumulate import combine, identity, new_rows, reduce_rows
-from ._collectives import subjaxprs
-from ._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
-from ._derivatives import scan_chunks, slice_rest
-from ._jax_compat import varying_axes, without_const_values
-from ._reporting import quiet, reporter
+from ._rule import scan_chunks
+from ._schedule import balanced_chunk_size, slice_rest
 
 
 def slice_inputs(
@@ -138,19 +139,6 @@ def reduced(out: ChunkOutput) -> ChunkOutput:
     return out._replace(batched=jtu.tree_unflatten(treedef, leaves))
 
 
-def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
-    """The chunk size `remainder="overlap"` runs at: the same number of steps,
-    `ceil(batch_size / chunk_size)`, with chunks as even as possible.
-
-    The last step starts at `batch_size - size`, so it recomputes
-    `num_steps * size - batch_size < num_steps` elements, rather than up to
-    `chunk_size - 1` (for a batch of 512 in chunks of 100: 4 instead of 88, which
-    cost 17% more time). The chunks are never larger than `chunk_size`.
-    """
-    num_steps = -(-batch_size // chunk_size)
-    return -(-batch_size // num_steps)
-
-
 def _convert(
     chunk_fn: ChunkFn,
     inputs: PyTree[InputArray],
@@ -181,17 +169,6 @@ def _convert(
     if not shapes:  # not traced (never so for a closure, which this is)
         eqx.filter_eval_shape(_chunk_arrays, example)
     return fn, shapes[0]
-
-
-def _holds_custom_vjp(value: Any) -> bool:
-    """Whether the jaxprs in `value` call a `jax.custom_vjp` function, whose
-    backward pass (the user's code) need not be linear in the cotangent."""
-    return any(
-        eqn.primitive.name == "custom_vjp_call"
-        or any(_holds_custom_vjp(v) for v in eqn.params.values())
-        for jaxpr in subjaxprs(value)
-        for eqn in jaxpr.eqns
-    )
 
 
 def run_in_chunks(
@@ -233,7 +210,7 @@ def run_in_chunks(
     # row half its cotangent, which only a backward pass linear in the cotangent
     # sums back exactly: with a `custom_vjp`, it evaluates the leftover apart.
     rest_fn = None
-    if overlap and _holds_custom_vjp(getattr(fn, "jaxpr", None)):
+    if overlap and holds_custom_vjp(getattr(fn, "jaxpr", None)):
         rest_fn, _ = _convert(chunk_fn, inputs, in_axes, leftover)
 
     def _loop(
@@ -241,7 +218,7 @@ def run_in_chunks(
     ) -> Any:
         # The loop (steps at `i * size`, the last clamped to end at the batch's end)
         # carries a JVP rule that keeps reverse mode linear in the batch, and
-        # checkpoints each step only when differentiated: see `_derivatives.py`.
+        # checkpoints each step only when differentiated: see `_rule.py`.
         return scan_chunks(
             fn,
             *args,

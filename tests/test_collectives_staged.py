@@ -11,11 +11,10 @@ import pytest
 from hypothesis import given, settings
 
 import filtered_chunk as fc
-from tests.staged_cases import run_staged
 
 from .helpers import tree_allclose
 from .meters import recorder
-from .staged_cases import staged_call, vmap_call
+from .staged_cases import num_passes, staged_call, vmap_call
 
 
 K = 3
@@ -23,20 +22,6 @@ K = 3
 SIZES = (0, 1, K - 1, K, K + 1, 2 * K + 1, 11)
 REMAINDERS = ("overlap", "separate")
 CASES = [(n, "overlap") for n in SIZES] + [(n, "separate") for n in SIZES if n > K]
-
-
-def _passes(fun, mapped, unmapped, chunk_size):
-    batch_size = mapped[0].shape[0]
-    return run_staged(
-        lambda m, u: (*fun(m, u), None),
-        list(mapped),
-        list(unmapped),
-        batch_size=batch_size,
-        chunk_size=chunk_size,
-        remainder="overlap",
-        checkpoint=True,
-        axis_name="i",
-    )[3]
 
 
 def _all_collectives(m, u):
@@ -138,23 +123,23 @@ def test_pmax_pmin_values_and_no_derivative(collective, chunk_size, getkey):
     assert tree_allclose(jax.grad(loss(staged, shifted))(x), expected)
 
 
-def test_levels_count_passes(getkey):
+def test_levels_countnum_passes(getkey):
     x = jr.normal(getkey(), (7, 2))
     softmax = lambda m, u: ([jnp.exp(m[0] - lax.pmax(m[0], "i"))], [])
-    assert _passes(softmax, [x], [], 3) == 1
+    assert num_passes(softmax, [x], [], 3) == 1
     normalised = lambda m, u: (
         [softmax(m, u)[0][0] / lax.psum(softmax(m, u)[0][0], "i")],
         [],
     )
-    assert _passes(normalised, [x], [], 3) == 2
+    assert num_passes(normalised, [x], [], 3) == 2
     # `axis_index`, `axis_size` and collectives of unmapped values cost no pass.
     free = lambda m, u: (
         [m[0] * lax.axis_index("i").astype(m[0].dtype) + lax.psum(u[0], "i")],
         [],
     )
-    assert _passes(free, [x], [jnp.array(2.0)], 3) == 0
+    assert num_passes(free, [x], [jnp.array(2.0)], 3) == 0
     two = lambda m, u: ([m[0] * lax.psum(m[0], "i") * lax.pmax(m[0] ** 2, "i")], [])
-    assert _passes(two, [x], [], 3) == 1  # independent collectives share a pass
+    assert num_passes(two, [x], [], 3) == 1  # independent collectives share a pass
 
 
 def _normalised_loss(m, u):
@@ -365,24 +350,13 @@ def test_mapped_axis_and_constant_outputs(getkey):
     fun = lambda m, u: (
         [m[0] / lax.psum(m[0], "i"), 1.0, jnp.array(2, jnp.int32)],
         [lax.pmax(m[0], "i"), 3.0],
-        "aux",
     )
-    out = run_staged(
-        fun,
-        [x],
-        [],
-        batch_size=7,
-        chunk_size=3,
-        remainder="overlap",
-        checkpoint=True,
-        axis_name="i",
-        in_axes=[1],
-    )
+    out = staged_call(fun, [x], [], 3, in_axes=1)
     expected = jax.vmap(
-        lambda _x: fun([_x], [])[:2], in_axes=1, out_axes=(0, None), axis_name="i"
+        lambda _x: fun([_x], []), in_axes=1, out_axes=(0, None), axis_name="i"
     )(x)
-    assert tree_allclose(out[:2], expected)
-    assert out[2:] == ("aux", 1)
+    assert tree_allclose(out, expected)
+    assert num_passes(fun, [x], [], 3, in_axes=1) == 1
 
 
 def test_closed_over_parameters_get_gradients(getkey):

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Int
 
-from ._axes import is_array
+from .._axes import is_array
 
 
 Argnums = int | Sequence[int]

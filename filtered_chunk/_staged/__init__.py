@@ -1,0 +1,23 @@
+"""Collectives over `axis_name`, exact across chunks: staged evaluation.
+
+How it works is in this folder's `README.md`. The rest of the package uses:
+
+- [`schedule_collectives`][] and [`reads_axis`][] (`_analysis.py`): what the
+  collectives of a call make of its schedule;
+- [`plan_staged_vmap`][], [`run_staged_vmap`][], [`output_shapes`][] and
+  [`Shard`][] (`_vmap.py`, `_run.py`): `filter_chunked_vmap`'s call, planned once
+  and run in passes of the one loop, on one device or on each device's shard.
+"""
+
+from ._analysis import (
+    NONE as NONE,
+    schedule_collectives as schedule_collectives,
+    STAGED as STAGED,
+    WHOLE as WHOLE,
+)
+from ._run import Shard as Shard
+from ._vmap import (
+    output_shapes as output_shapes,
+    plan_staged_vmap as plan_staged_vmap,
+    run_staged_vmap as run_staged_vmap,
+)
