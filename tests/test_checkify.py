@@ -53,3 +53,20 @@ def test_checkify_reports_an_index_error(errors, remainder, jit, getkey):
     error, _ = (jax.jit(checked) if jit else checked)(x, w)
     with pytest.raises(checkify.JaxRuntimeError, match="index 5 is out of bounds"):
         error.throw()
+
+
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_checkify_with_collectives_across_chunks(remainder, getkey):
+    # The staged passes are runs of the same loop: no `jax.checkpoint` in them.
+    def normalised(x, w):
+        y = _gather(x, w)
+        return y - jax.lax.pmean(y, "i")
+
+    x, w = jr.normal(getkey(), (7, 2)), jnp.array(1.5)
+    chunked = fc.filter_chunked_vmap(
+        normalised, in_axes=(0, None), chunk_size=3, axis_name="i", remainder=remainder
+    )
+    error, out = jax.jit(checkify.checkify(chunked, errors=checkify.all_checks))(x, w)
+    error.throw()
+    expected = jax.vmap(normalised, in_axes=(0, None), axis_name="i")(x, w)
+    assert tree_allclose(out, expected)

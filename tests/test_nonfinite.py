@@ -176,3 +176,23 @@ def test_forward_tangents_unchanged(remainder, sizes, getkey):
     assert _same(actual, expected)
     finite = jnp.isfinite(expected[1])
     assert bool(jnp.all(actual[1][finite] == expected[1][finite]))
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("sizes", SIZES)
+def test_infinite_derivative_through_collectives(remainder, sizes):
+    # The staged passes run on the same loop, with its derivative rule: an
+    # infinite derivative before a `pmean` across chunks stays infinite.
+    batch_size, chunk_size = sizes
+    x = _inputs(batch_size)
+    f = lambda x: jnp.sqrt(x) - jax.lax.pmean(x, "i")
+    kwargs: dict[str, Any] = dict(axis_name="i")
+    chunked = fc.filter_chunked_vmap(
+        f, chunk_size=chunk_size, remainder=remainder, **kwargs
+    )
+    oracle = eqx.filter_vmap(f, **kwargs)
+    weights = jnp.arange(1.0, batch_size + 1.0)
+    grad = lambda g: jax.grad(lambda x: jnp.sum(g(x) * weights))(x)
+    expected = grad(oracle)
+    assert jnp.any(jnp.isinf(expected))
+    assert _same(grad(chunked), expected)
