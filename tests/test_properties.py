@@ -227,3 +227,34 @@ def test_numpy_leaves_through_every_derivative_of_every_transform(name, mode):
     actual = _derivative(mode, lambda _leaves: chunked(*_leaves), leaves, tangents)
     expected = _derivative(mode, lambda _leaves: oracle(*_leaves), leaves, tangents)
     assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-6)
+
+
+def _collective(tree):
+    out = _f(tree)
+    return {**out, "first": out["first"] - jax.lax.pmean(out["first"], "i")}
+
+
+@given(_cases(), st.booleans())
+def test_sum_match_and_collectives_match_filter_vmap(case, collective):
+    # `total` varies over the batch: marked `None`, it is summed; `const` does
+    # not vary and is returned as it is. With a collective across chunks, the
+    # staged passes compute it.
+    batch_size = max(
+        np.shape(x)[a]
+        for x, a in zip(case.tree["leaves"], case.in_axes[0]["leaves"])
+        if a is not None
+    )
+    if collective and batch_size == 0:
+        collective = False  # the mean of no elements is `nan`
+    f = _collective if collective else _f
+    kwargs: dict[str, Any] = dict(
+        in_axes=case.in_axes,
+        out_axes={**case.out_axes, "total": None},
+        axis_name="i" if collective else None,
+        sum_match=True,
+    )
+    expected = eqx.filter_vmap(f, **kwargs)(case.tree)
+    actual = fc.filter_chunked_vmap(
+        f, chunk_size=case.chunk_size, remainder=case.remainder, **kwargs
+    )(case.tree)
+    assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
