@@ -47,6 +47,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray, is_none
@@ -230,18 +231,27 @@ def _run_jvp(
             for t, axis, which in zip(t_stacks, loop.axes, loop.kinds, strict=True)
         ]
     t_buffers = [
-        None if t is None else join(t, probe, _weak(b))
+        _zero_tangent(b) if t is None else join(t, probe, _weak(b))
         for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
     ]
     t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
     t_first = join_tree((t_fn, t_first), first_probes)
     t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
     t_unbatched = jtu.tree_map(
-        lambda u, t: None if t is None else join(*fork_output(t), _weak(u)),
+        lambda u, t: _zero_tangent(u) if t is None else join(*fork_output(t), _weak(u)),
         unbatched,
         t_unbatched,
     )
     return (buffers, unbatched), (t_buffers, t_unbatched)
+
+
+def _zero_tangent(x: Array) -> Any:
+    """The zero tangent of an output that has none (an integer one, a running
+    maximum): explicit, since Equinox 0.13.1 makes one with an API that JAX 0.10
+    removed."""
+    if _inexact(x):
+        return _zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _leftover(
