@@ -8,7 +8,6 @@ import equinox as eqx
 import jax
 import jax.core
 import jax.extend.core as jex
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from beartype import beartype
@@ -35,6 +34,7 @@ from ._custom_types import (
     unwrap_kept,
 )
 from ._progress import AbstractProgressMeter
+from ._structs import struct
 from ._wrapper import (
     AbstractMappedPlan,
     Bound,
@@ -159,7 +159,9 @@ def _check_contract(
             traces.append(([p for p, _ in leaves], out.static))
             return [x for _, x in leaves]
 
-        structs = jtu.tree_map(ft.partial(_chunk_struct, size), in_axes, mapped)
+        structs = jtu.tree_map(
+            lambda axis, x: struct(x, axis, size, weak=False), in_axes, mapped
+        )
         closed = jax.make_jaxpr(_unbatched)(structs)
         paths, static = traces.pop()
         programs = [_program(closed, i) for i in range(len(paths))]
@@ -190,12 +192,6 @@ def _check_contract(
         )
 
 
-def _chunk_struct(size: int, axis: int, x: Any) -> jax.ShapeDtypeStruct:
-    shape = list(np.shape(x))
-    shape[axis] = size
-    return jax.ShapeDtypeStruct(tuple(shape), jnp.result_type(x))
-
-
 def _check_unbatched(
     chunk_fn: Callable[[Any, int], ChunkOutput],
     mapped: Any,
@@ -216,9 +212,8 @@ def _check_unbatched(
         return [x for _, x in leaves]
 
     def _struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
-        shape = list(np.shape(x))
-        shape[axis] = chunk_size
-        return jax.ShapeDtypeStruct((1, *shape), jnp.result_type(x))
+        chunk = struct(x, axis, chunk_size, weak=False)
+        return jax.ShapeDtypeStruct((1, *chunk.shape), chunk.dtype)
 
     structs = jtu.tree_map(_struct, in_axes, mapped)
     try:

@@ -18,7 +18,6 @@ from ._staged import (
     plan_staged_vmap,
     run_staged_vmap,
     schedule_collectives,
-    Shard,
     STAGED,
     WHOLE,
 )
@@ -60,23 +59,27 @@ def run_batch(
         # collective across the devices.
         return _run_local(batch, None, options)
     if schedule == STAGED:
-        assert chunk_size is not None and batch.element is not None
-        return _run_staged(batch, chunk_size, options, sharding)
+        assert chunk_size is not None
+        local, closed, shapes = _staged(batch, chunk_size, options, sharding)
+    else:
+        # What the batch closes over is an input of `local`: inside `shard_map`,
+        # closing over tracers breaks its transpose.
+        on_device = batch._replace(closed=None, mapped=None, size=0)
+        local = ft.partial(_on_device, on_device, chunk_size, options)
+        closed, shapes = batch.closed, ft.partial(batch.chunk, batch.closed)
     if sharding is None:
-        return _run_local(batch, chunk_size, options)
-    # Each device chunks its own shard: see `_sharding.py`. What the batch closes
-    # over is an input there: closing over tracers breaks the transpose of
-    # `shard_map`.
-    on_device = batch._replace(closed=None, mapped=None, size=0)
+        return local(closed, batch.mapped, batch.size)
+    # Each device runs `local` on its own shard: see `_sharding.py`.
     return run_sharded(
-        ft.partial(_on_device, on_device, chunk_size, options),
-        batch.closed,
-        ft.partial(batch.chunk, batch.closed),
+        local,
+        closed,
+        shapes,
         batch.mapped,
         batch.in_axes,
         batch_size=batch.size,
         sharding=sharding,
         api=options.api,
+        check_vma=schedule != STAGED,
     )
 
 
@@ -98,11 +101,11 @@ def _loop_options(chunk_size: int, options: ChunkOptions) -> LoopOptions:
 def _run_local(
     batch: Batch, chunk_size: int | None, options: ChunkOptions
 ) -> ChunkOutput:
-    """One `vmap` of the batch, or a scan over its chunks."""
+    """One `vmap` of the batch, or the loop over its chunks."""
     chunk_fn: ChunkFn = ft.partial(batch.chunk, batch.closed)
-    if chunk_size is None or chunk_size >= batch.size:
+    if chunk_size is None:
         return reduced(chunk_fn(batch.mapped, batch.size))
-    if batch.check is not None:
+    if batch.check is not None and chunk_size < batch.size:
         batch.check(batch.closed, batch.mapped, chunk_size)
     return run_in_chunks(
         chunk_fn,
@@ -113,16 +116,17 @@ def _run_local(
     )
 
 
-def _run_staged(
+def _staged(
     batch: Batch,
     chunk_size: int,
     options: ChunkOptions,
     sharding: BatchSharding | None,
-) -> ChunkOutput:
-    """The staged loops (`_staged/`), on each device's shard if `sharding`.
+) -> tuple[Callable[..., ChunkOutput], list[Any], Callable[..., ChunkOutput]]:
+    """The staged loops (`_staged/`) as `run_sharded` takes a local run: the run,
+    what it closes over (the plan's constants, inputs of `shard_map`), and its
+    output's shapes at a shard's size.
 
-    The call is planned once, for the whole batch and outside any `shard_map`;
-    its constants (what `fun` closes over) enter `shard_map` as inputs.
+    The call is planned once, for the whole batch and outside any `shard_map`.
     """
     assert batch.element is not None
     staged = plan_staged_vmap(
@@ -135,24 +139,12 @@ def _run_staged(
         sum_match=batch.sum_match,
     )
     loop = _loop_options(chunk_size, options)
-    consts = staged.plan.program.consts
-    if sharding is None:
-        return run_staged_vmap(staged, consts, batch.mapped, loop)
-    shard = Shard(sharding.axis_names, sharding.num_devices)
-    run = lambda _consts, _mapped, _: run_staged_vmap(  # noqa: E731
-        staged, _consts, _mapped, loop, shard
-    )
-    return run_sharded(
-        run,
-        consts,
-        lambda _, size: output_shapes(staged, size),
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        sharding=sharding,
-        api=options.api,
-        check_vma=False,
-    )
+
+    def _local(consts: list[Any], mapped: PyTree[InputArray], _: int) -> ChunkOutput:
+        return run_staged_vmap(staged, consts, mapped, loop, sharding)
+
+    shapes = lambda _, size: output_shapes(staged, size)  # noqa: E731
+    return _local, staged.plan.program.consts, shapes
 
 
 def _schedule(

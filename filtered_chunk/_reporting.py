@@ -258,32 +258,23 @@ def sharded(axis_names: tuple[str, ...], num_devices: int) -> Any:
 
 
 def reporter(
-    meter: AbstractProgressMeter | None,
-    api: str,
-    batch_size: int,
-    chunk_size: int,
-    remainder: str,
-    loop: str | None = None,
+    meter: AbstractProgressMeter | None, api: str, steps: Any, loop: str | None = None
 ) -> Reporter | None:
-    """What a loop reports to `meter`: `None` if nothing (no meter, or inside the
-    loop of an outer chunked call that reports, since nested bars interleave).
-    `loop` says which of a call's loops it is (`"loop 1 of 3"`), in the label."""
+    """What a loop of `steps` (`_loop.Steps`) reports to `meter`: `None` if
+    nothing (no meter, or inside the loop of an outer chunked call that reports,
+    since nested bars interleave). `loop` says which of a call's loops it is
+    (`"loop 1 of 3"`), in the label."""
     context = _context.get()
     if not is_reporting(meter) or context.outer:
         return None
     assert meter is not None
-    num_steps = -(-batch_size // chunk_size)
-    if remainder == "overlap":  # even chunks, the last ending at `batch_size`
-        first, last = -(-batch_size // num_steps), batch_size
-    else:  # whole chunks; the remainder is evaluated after the loop
-        first, last = chunk_size, batch_size // chunk_size * chunk_size
     label = getattr(meter, "label", None) or api
     label = label if loop is None else f"{label} ({loop})"
     scale = context.num_devices
     # At most `max_updates` reports per call: each costs a host callback.
-    loop_steps = -(-last // first)
-    stride = -(-loop_steps // max(1, meter.max_updates))
-    return Reporter(meter, label, batch_size * scale, first, last, scale, stride)
+    stride = -(-steps.num_steps // max(1, meter.max_updates))
+    total = steps.batch_size * scale
+    return Reporter(meter, label, total, steps.chunk_size, steps.covered, scale, stride)
 
 
 def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:

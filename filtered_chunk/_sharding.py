@@ -35,6 +35,7 @@ from jaxtyping import Array, PyTree
 from ._axes import describe, is_array
 from ._custom_types import ChunkFn, ChunkOutput, InputArray, SpmdAxisName
 from ._reporting import sharded
+from ._structs import struct
 
 
 AnyMesh: TypeAlias = Mesh | AbstractMesh
@@ -177,18 +178,24 @@ def _check_names(
 
 def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeStruct:
     """One device's shard of `x`, keeping its explicit sharding over other axes."""
-    shape = list(np.shape(x))
-    shape[axis] //= sharding.num_devices
+    size = np.shape(x)[axis] // sharding.num_devices
     current = _leaf_sharding(x)
+    local = None
     if current is not None and current.mesh.explicit_axes:
-        entries = _without(sharding, current.spec, len(shape))
+        entries = _without(sharding, current.spec, np.ndim(x))
         local = NamedSharding(current.mesh, _spec(entries))
-    else:
-        local = None
-    return jax.ShapeDtypeStruct(tuple(shape), jax.numpy.result_type(x), sharding=local)
+    return struct(x, axis, size, weak=False, sharding=local)
 
 
 _ACROSS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
+def across(which: str | None, x: Array, axis_names: tuple[str, ...]) -> Array:
+    """Inside `shard_map`: every device's accumulator `x` (a `which` over its
+    shard's rows) combined, or with `which=None` every device's rows gathered."""
+    if which is None:
+        return jax.lax.all_gather(x, axis_names, tiled=True)
+    return _ACROSS[which](x, axis_names)
 
 
 def run_sharded(
@@ -236,7 +243,7 @@ def run_sharded(
         # An accumulated output: every device's accumulator, combined.
         leaves, treedef = jtu.tree_flatten(_out.batched)
         leaves = [
-            x if k is None else _ACROSS[k](x, sharding.axis_names)
+            x if k is None else across(k, x, sharding.axis_names)
             for x, k in zip(leaves, kinds, strict=True)
         ]
         return jtu.tree_unflatten(treedef, leaves), _out.unbatched

@@ -54,6 +54,7 @@ from jaxtyping import PyTree
 
 from .._eager import program_key
 from .._jax_compat import transformations_tracing
+from .._structs import struct
 from . import _timing
 
 
@@ -96,9 +97,9 @@ def layers_of(leaves: list[Any]) -> tuple[Layer, ...]:
 
 
 def _plain(x: Any, batch: int | None = None) -> jax.ShapeDtypeStruct:
-    shape = tuple(x.shape) if batch is None else (batch, *x.shape)
-    sharding = getattr(x, "sharding", None) if batch is None else None
-    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+    if batch is None:
+        return struct(x, weak=False, sharding=getattr(x, "sharding", None))
+    return jax.ShapeDtypeStruct((batch, *x.shape), x.dtype)
 
 
 def _differentiable(
@@ -204,14 +205,10 @@ class Measured:
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    aval = jax.typeof(x)
-    sharding = None
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-        if len(x.sharding.device_set) > 1:
-            sharding = x.sharding  # per-device bytes, as the call runs
-    return jax.ShapeDtypeStruct(
-        aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding
-    )
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    # A concrete array split over devices: per-device bytes, as the call runs.
+    split = concrete and len(x.sharding.device_set) > 1
+    return struct(x, sharding=x.sharding if split else None)
 
 
 def _key_of(struct: jax.ShapeDtypeStruct) -> Hashable:

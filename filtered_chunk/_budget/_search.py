@@ -32,6 +32,7 @@ from typing import Any
 
 from jaxtyping import PyTree
 
+from .._loop import Steps
 from . import _model, _timing
 from ._program import ChunkedProgram, has_reverse, linearisation, Measured
 from ._values import ChunkSizeChoice, format_bytes, MemoryBudget
@@ -60,25 +61,24 @@ def _remember(cache: dict[Hashable, Any], key: Hashable | None, value: Any) -> N
 
 class _Sizes:
     """The chunk sizes worth trying for a batch: with `remainder="overlap"` only
-    balanced ones, `ceil(batch_size / num_steps)` (any other size runs as the
-    balanced size with its number of steps); with `"separate"` every size."""
+    the sizes the loop runs at (`Steps`: any other size runs as the balanced size
+    with its number of steps); with `"separate"` every size."""
 
     def __init__(self, batch_size: int, remainder: str):
-        self.n, self.balanced = batch_size, remainder == "overlap"
+        self.n, self.remainder = batch_size, remainder
+        self.balanced = remainder == "overlap"
 
     def at_most(self, x: int) -> int:
         """The largest size not above `x` (`1 <= x <= batch_size`)."""
-        if not self.balanced:
-            return x
-        return -(-self.n // -(-self.n // x))
+        return Steps.of(self.n, x, self.remainder).chunk_size
 
     def above(self, k: int) -> int:
         """The smallest size above `k` (`k < batch_size`)."""
-        if not self.balanced:
-            return k + 1
-        steps = -(-self.n // (k + 1))
-        size = -(-self.n // steps)
-        return size if size > k else -(-self.n // (steps - 1))
+        size = self.at_most(k + 1)
+        if size > k:
+            return size
+        steps = Steps.of(self.n, k + 1, self.remainder).num_steps
+        return -(-self.n // (steps - 1))
 
     def below(self, k: int) -> int:
         """The largest size below `k` (`k > 1`)."""
@@ -162,7 +162,9 @@ def _segments(sizes: _Sizes) -> list[tuple[int, int]]:
     # The largest size with two steps: two whole chunks, or with an overlap.
     two_steps = -(-n // 2) if sizes.balanced else n // 2
     one_step = (
-        [] if sizes.balanced or two_steps + 1 > n - 1 else [(two_steps + 1, n - 1)]
+        []
+        if sizes.remainder == "overlap" or two_steps + 1 > n - 1
+        else [(two_steps + 1, n - 1)]
     )
     return [(n, n), *one_step, (1, two_steps)]
 

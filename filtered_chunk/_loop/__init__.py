@@ -7,8 +7,9 @@ running maximum or minimum: `_accumulate.py`). Its parts:
 
 - `_run.py`: the loop itself, the remainder (an overlapping last chunk, or a
   separate one) and the chunk function's closure conversion;
-- `_schedule.py`: which rows each step computes ([`Schedule`][]), and the
-  balanced chunk size of `remainder="overlap"`;
+- `_schedule.py`: which rows each step computes: in Python numbers
+  ([`Steps`][], which the progress reports and the budget search read too) and
+  as the loop's arrays ([`Schedule`][]);
 - `_rule.py`: the loop's JVP rule, which keeps reverse mode linear in the batch
   and checkpoints each step only when differentiated;
 - `_weak_types.py`: cotangents that keep the weak types the chunk function's
@@ -18,4 +19,4 @@ running maximum or minimum: `_accumulate.py`). Its parts:
 
 from ._accumulate import KINDS as KINDS
 from ._run import reduced as reduced, run_in_chunks as run_in_chunks
-from ._schedule import balanced_chunk_size as balanced_chunk_size
+from ._schedule import Steps as Steps

@@ -21,6 +21,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from .._jax_compat import varying_axes, with_weak_type
+from .._structs import full
 
 
 KINDS = ("sum", "max", "min")
@@ -37,17 +38,9 @@ def lowest(dtype: Any, which: str) -> Any:
 
 
 def identity(which: str, struct: Any, axis: int) -> Array:
-    """The empty accumulator of rows like `struct` (batched at `axis`): its
-    dtype, weak type, explicit sharding and varying manual axes."""
+    """The empty accumulator of rows like `struct` (batched at `axis`)."""
     shape = struct.shape[:axis] + struct.shape[axis + 1 :]
-    fill = 0 if which == "sum" else lowest(struct.dtype, which)
-    if getattr(struct, "weak_type", False):
-        # A weak type only exists for the default dtypes: a Python scalar gives it.
-        out = lax.full(shape, struct.dtype.type(fill).item())
-    else:
-        out = jnp.full(shape, fill, struct.dtype)
-    varying = varying_axes(struct)
-    return lax.pcast(out, varying, to="varying") if varying else out
+    return full(struct, shape, 0 if which == "sum" else lowest(struct.dtype, which))
 
 
 def new_rows(

@@ -51,9 +51,9 @@ import numpy as np
 from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray, is_none
-from .._reporting import report_step, Reporter
+from .._reporting import report_step
 from ._accumulate import zeros_like as _zeros_like
-from ._schedule import Schedule, WriteFn
+from ._schedule import Schedule
 from ._weak_types import (
     fork_output,
     fork_outputs,
@@ -329,23 +329,14 @@ def _unbatched_tangents(
 def scan_chunks(
     fn: ArraysFn,
     inputs: PyTree[InputArray],
-    in_axes: PyTree[int],
     buffers: list[Array],
     unbatched: PyTree[Array],
-    *,
-    axes: tuple[int, ...],
-    batch_size: int,
-    chunk_size: int,
-    num_steps: int,
-    checkpoint: CheckpointSpec,
-    write: WriteFn,
-    reporter: Reporter | None = None,
+    loop: Schedule,
     rest_fn: ArraysFn | None = None,
-    kinds: tuple[str | None, ...] = (),
 ) -> tuple[list[Array], PyTree[Array]]:
     """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
-    into `buffers` (at `axes`) with `write`; returns the buffers and the last
-    step's unbatched outputs.
+    into `buffers` with `loop.write`; returns the buffers and the last step's
+    unbatched outputs.
 
     `fn` holds the arrays it closes over as its PyTree leaves (made by
     `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
@@ -353,16 +344,4 @@ def scan_chunks(
     chunk covers, makes the derivative evaluate them apart rather than in an
     overlapping step (see the module's docstring).
     """
-    kinds = kinds or (None,) * len(axes)
-    loop = Schedule(
-        in_axes,
-        axes,
-        batch_size,
-        chunk_size,
-        num_steps,
-        checkpoint,
-        write,
-        reporter,
-        kinds,
-    )
     return _run(fn, inputs, buffers, unbatched, rest_fn, loop=loop)

@@ -34,12 +34,13 @@ import jax.tree_util as jtu
 from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
-from .._jax_compat import varying_axes, without_const_values
+from .._jax_compat import without_const_values
 from .._jaxprs import holds_custom_vjp
-from .._reporting import quiet, reporter
+from .._reporting import quiet, report_step, reporter
+from .._structs import full
 from ._accumulate import combine, identity, new_rows, reduce_rows
 from ._rule import scan_chunks
-from ._schedule import balanced_chunk_size, slice_rest
+from ._schedule import Schedule, slice_rest, Steps
 
 
 def slice_inputs(
@@ -54,37 +55,6 @@ def slice_inputs(
         return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
     return jtu.tree_map(_slice, in_axes, inputs)
-
-
-def _typed_zeros(struct: jax.ShapeDtypeStruct, shape: tuple[int, ...]) -> Array:
-    """Zeros with `struct`'s dtype, explicit sharding and varying manual axes.
-
-    A scan carry must keep its type: a buffer that a chunk is written into must be
-    sharded like it (explicit-sharding mode) and vary over the same mesh axes
-    (inside `shard_map`).
-    """
-    sharding = getattr(struct, "sharding", None)
-    if any(entry is not None for entry in getattr(sharding, "spec", ())):
-        zeros = jnp.zeros(shape, struct.dtype, out_sharding=sharding)
-    else:
-        zeros = jnp.zeros(shape, struct.dtype)
-    varying = varying_axes(struct)
-    return lax.pcast(zeros, varying, to="varying") if varying else zeros
-
-
-def _zeros(struct: jax.ShapeDtypeStruct) -> Array:
-    return _typed_zeros(struct, struct.shape)
-
-
-def _grow(struct: jax.ShapeDtypeStruct, axis: int, batch_size: int) -> Array:
-    shape = list(struct.shape)
-    shape[axis] = batch_size
-    if getattr(struct, "weak_type", False):
-        # Writing a weakly typed chunk (from Python scalars) into a strongly typed
-        # buffer would drop the weak type that `jax.vmap` keeps. A weak type only
-        # exists for the default dtypes, which a Python scalar fill value gives.
-        return lax.full(tuple(shape), struct.dtype.type(0).item())
-    return _typed_zeros(struct, tuple(shape))
 
 
 def _write_one(buffer: Array, chunk: Array, axis: int, start: Any) -> Array:
@@ -123,7 +93,11 @@ def _write(
 
 def _buffer(struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: int):
     """Where an output of `size` rows goes: a buffer, or an empty accumulator."""
-    return _grow(struct, axis, size) if which is None else identity(which, struct, axis)
+    if which is not None:
+        return identity(which, struct, axis)
+    # A weakly typed buffer keeps the weak type that `jax.vmap` keeps (for
+    # outputs made of Python scalars); `_write_one` keeps it.
+    return full(struct, struct.shape[:axis] + (size,) + struct.shape[axis + 1 :])
 
 
 def reduced(out: ChunkOutput) -> ChunkOutput:
@@ -182,21 +156,23 @@ def run_in_chunks(
 ) -> ChunkOutput:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
-    Requires `0 < chunk_size < batch_size`; returns what `chunk_fn(inputs,
-    batch_size)` would, with the batched outputs at full batch size and the
-    accumulated ones reduced over the batch (`reduced`). Each step reports to the
-    options' progress meter (labelled with their `api`, and `loop` if one of
-    several): see `_reporting.py`.
+    Returns what `chunk_fn(inputs, batch_size)` would, with the batched outputs
+    at full batch size and the accumulated ones reduced over the batch
+    (`reduced`); with `chunk_size >= batch_size`, that one `vmap`. Each step
+    reports to the options' progress meter (labelled with their `api`, and
+    `loop` if one of several): see `_reporting.py`.
     """
-    chunk_size, remainder, checkpoint, progress_meter, api = options
-    assert 0 < chunk_size < batch_size
-    found = reporter(progress_meter, api, batch_size, chunk_size, remainder, loop)
+    if options.chunk_size >= batch_size:  # one `vmap` of the batch, one step
+        steps = Steps(batch_size, batch_size, 1, 0)
+        meter = options.progress_meter if batch_size else None
+        found = reporter(meter, options.api, steps, loop)
+        out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
+        report_step(found, jnp.asarray(0), batch_size, out.batched)
+        return out
+    steps = Steps.of(batch_size, options.chunk_size, options.remainder)
+    found = reporter(options.progress_meter, options.api, steps, loop)
     chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
-    if remainder == "overlap":
-        chunk_size = balanced_chunk_size(batch_size, chunk_size)
-    num_chunks, leftover = divmod(batch_size, chunk_size)
-    overlap = remainder == "overlap" and leftover != 0
-    num_steps = num_chunks + 1 if overlap else num_chunks
+    chunk_size, num_steps, leftover = steps.chunk_size, steps.num_steps, steps.leftover
     fn, shapes = _convert(chunk_fn, inputs, in_axes, chunk_size)
     axes, kinds = shapes.batched_axes, shapes.kinds()
     layout = (axes, kinds)
@@ -204,48 +180,28 @@ def run_in_chunks(
     buffers = [
         _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
     ]
-    unbatched = jtu.tree_map(_zeros, shapes.unbatched)
+    unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
 
     # The derivative of an overlapping last step gives each copy of a recomputed
     # row half its cotangent, which only a backward pass linear in the cotangent
     # sums back exactly: with a `custom_vjp`, it evaluates the leftover apart.
     rest_fn = None
+    overlap = num_steps * chunk_size > batch_size
     if overlap and holds_custom_vjp(getattr(fn, "jaxpr", None)):
-        rest_fn, _ = _convert(chunk_fn, inputs, in_axes, leftover)
+        rest_fn, _ = _convert(chunk_fn, inputs, in_axes, batch_size % chunk_size)
 
-    def _loop(
-        fn: Any, total: int, size: int, steps: int, found: Any, *args: Any, rest=None
-    ) -> Any:
-        # The loop (steps at `i * size`, the last clamped to end at the batch's end)
-        # carries a JVP rule that keeps reverse mode linear in the batch, and
-        # checkpoints each step only when differentiated: see `_rule.py`.
-        return scan_chunks(
-            fn,
-            *args,
-            axes=axes,
-            batch_size=total,
-            chunk_size=size,
-            num_steps=steps,
-            checkpoint=checkpoint,
-            write=lambda _b, _c, start, first: _write(_b, _c, layout, start, first),
-            reporter=found,
-            rest_fn=rest,
-            kinds=kinds,
+    def _schedule(total: int, size: int, steps: int, found: Any) -> Schedule:
+        # Steps at `i * size`, the last clamped to end at the batch's end; the
+        # loop's JVP rule keeps reverse mode linear in the batch, and checkpoints
+        # each step only when differentiated: see `_rule.py`.
+        write = lambda _b, _c, start, first: _write(_b, _c, layout, start, first)  # noqa: E731
+        return Schedule(
+            in_axes, axes, total, size, steps, options.checkpoint, write, found, kinds
         )
 
-    state = (buffers, unbatched)
-    buffers, unbatched = _loop(
-        fn,
-        batch_size,
-        chunk_size,
-        num_steps,
-        found,
-        inputs,
-        in_axes,
-        *state,
-        rest=rest_fn,
-    )
-    if leftover != 0 and not overlap:
+    whole = _schedule(batch_size, chunk_size, num_steps, found)
+    buffers, unbatched = scan_chunks(fn, inputs, buffers, unbatched, whole, rest_fn)
+    if leftover != 0:
         # The remainder is a loop of one step on its own slice of the batch, so
         # that it gets the same derivative rule as the loop over whole chunks.
         start = batch_size - leftover
@@ -256,10 +212,8 @@ def run_in_chunks(
         rest_buffers = [
             _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
         ]
-        state = (rest_buffers, unbatched)
-        rest_buffers, unbatched = _loop(
-            fn, leftover, leftover, 1, None, rest, in_axes, *state
-        )
+        one = _schedule(leftover, leftover, 1, None)
+        rest_buffers, unbatched = scan_chunks(fn, rest, rest_buffers, unbatched, one)
         # The accumulators of the whole chunks, then the remainder's (its own).
         buffers = [
             _write_one(b, r, a, start) if k is None else combine(k, b, r)

@@ -11,7 +11,7 @@ tangent into a stack of chunks and its inverse.
 import dataclasses
 import functools as ft
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -43,6 +43,31 @@ def balanced_chunk_size(batch_size: int, chunk_size: int) -> int:
     """
     num_steps = -(-batch_size // chunk_size)
     return -(-batch_size // num_steps)
+
+
+class Steps(NamedTuple):
+    """A loop's steps, in Python numbers, as the loop, the progress reports and
+    the budget search read them: `num_steps` steps of `chunk_size` rows (with
+    `remainder="overlap"` the balanced size, the last step ending at the batch's
+    end), then, with `"separate"`, `leftover` rows in a step of their own."""
+
+    batch_size: int
+    chunk_size: int
+    num_steps: int
+    leftover: int
+
+    @classmethod
+    def of(cls, batch_size: int, chunk_size: int, remainder: str) -> "Steps":
+        if remainder == "overlap":
+            size = balanced_chunk_size(batch_size, chunk_size)
+            return cls(batch_size, size, -(-batch_size // size), 0)
+        num_steps, leftover = divmod(batch_size, chunk_size)
+        return cls(batch_size, chunk_size, num_steps, leftover)
+
+    @property
+    def covered(self) -> int:
+        """The rows the loop's steps compute (all but a separate leftover)."""
+        return self.batch_size - self.leftover
 
 
 class Schedule(eqx.Module):

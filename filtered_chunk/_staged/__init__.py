@@ -4,9 +4,10 @@ How it works is in this folder's `README.md`. The rest of the package uses:
 
 - [`schedule_collectives`][] and [`reads_axis`][] (`_analysis.py`): what the
   collectives of a call make of its schedule;
-- [`plan_staged_vmap`][], [`run_staged_vmap`][], [`output_shapes`][] and
-  [`Shard`][] (`_vmap.py`, `_run.py`): `filter_chunked_vmap`'s call, planned once
-  and run in passes of the one loop, on one device or on each device's shard.
+- [`plan_staged_vmap`][], [`run_staged_vmap`][] and [`output_shapes`][]
+  (`_vmap.py`): `filter_chunked_vmap`'s call, planned once and run in passes of
+  the one loop, on one device or, as any local run, on each device's shard
+  (`_batch.py`).
 """
 
 from ._analysis import (
@@ -15,7 +16,6 @@ from ._analysis import (
     STAGED as STAGED,
     WHOLE as WHOLE,
 )
-from ._run import Shard as Shard
 from ._vmap import (
     output_shapes as output_shapes,
     plan_staged_vmap as plan_staged_vmap,

@@ -18,11 +18,11 @@ import jax
 import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import PyTree
 
 from .._jaxprs import subjaxprs
 from .._sharding import BatchSharding
+from .._structs import element_struct, struct
 
 
 def axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
@@ -117,28 +117,15 @@ def reads_axis(
             lambda xs: jax.core.eval_jaxpr(
                 closed.jaxpr, xs[:num_consts], *xs[num_consts:]
             ),
-            [_struct(c) for c in closed.consts] + jtu.tree_leaves(element),
+            [struct(c, weak=False) for c in closed.consts] + jtu.tree_leaves(element),
             axis_name,
             axis_size,
         )
     )
 
 
-def _struct(x: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-
-
 def _is_inexact(x: Any) -> bool:
     return bool(jnp.issubdtype(x.dtype, jnp.inexact))
-
-
-def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:
-    """One element of the mapped leaf `x`: its shape without `axis`, its dtype
-    and weak type."""
-    aval = jax.typeof(x)
-    shape = list(aval.shape)
-    del shape[axis]
-    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
 
 
 # What a collective over `axis_name` makes of a call (`schedule_collectives`).

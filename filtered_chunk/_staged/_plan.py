@@ -12,11 +12,11 @@ import functools as ft
 from collections.abc import Iterator
 from typing import Any
 
-import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 
 from .._jaxprs import subjaxprs
+from .._structs import struct
 from ._analysis import axis_names, in_derivatives
 from ._program import bind, CUSTOM, Program, varying_outputs
 
@@ -120,7 +120,7 @@ def check_custom_rules(program: Program, api: str) -> None:
     """
     axis_name = program.axis_name
     for eqn in _custom_calls(program.jaxpr):
-        structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        structs = [struct(v.aval, weak=False) for v in eqn.invars]
         if not any(_inexact(s) for s in structs):
             continue
         found = in_derivatives(

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._jaxprs import subjaxprs
+from .._structs import struct
 from ._analysis import axis_names, found_in, public_name, staging
 
 
@@ -189,11 +190,6 @@ def staged_program(
         batch_size,
         kept,
     )
-
-
-def struct(x: Any) -> jax.ShapeDtypeStruct:
-    aval = jax.typeof(x)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ bounded too: without it, the residuals of every pass's chunks would be kept.
 """
 
 from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.extend.core as jex
@@ -33,8 +33,8 @@ from jaxtyping import Array
 
 from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
-from .._loop import reduced, run_in_chunks
-from .._reporting import quiet, report_step, reporter
+from .._loop import run_in_chunks
+from .._sharding import across, BatchSharding
 from .._summed import as_sums, merge_varying, split_varying
 from ._analysis import axis_names
 from ._passes import finish, kind, read, strong, typed, unstaged
@@ -59,16 +59,6 @@ class VaryingUnmappedOutput(ValueError):
             "`run_staged` gives `None` for an output that varies over the batch."
         )
         self.index = index
-
-
-class Shard(NamedTuple):
-    """A batch split over devices, seen from inside `jax.shard_map`: each device
-    stages its own elements, and each pass's accumulators are combined across
-    the mesh axes `axis_names` (`num_devices` devices, the batch split in their
-    order)."""
-
-    axis_names: tuple[str, ...]
-    num_devices: int
 
 
 def _evaluate(
@@ -122,7 +112,7 @@ def _pass(
     results: dict[int, list[Array]],
     batch: tuple[list[Array], list[int]],
     options: LoopOptions,
-    shard: Shard | None,
+    shard: BatchSharding | None,
 ) -> dict[int, list[Array]]:
     """The results of the level's collectives, from one run of the library's loop
     (on each device's shard, then across the devices, if `shard` says so).
@@ -157,7 +147,13 @@ def _pass(
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
     out = _loop(plan, _chunk_fn, batch, options, shard, level)
-    values = iter(out.batched)
+    values = list(out.batched)
+    if shard is not None:  # every device's accumulators combined, rows gathered
+        kinds = out.kinds()
+        values = [
+            across(k, x, shard.axis_names) for x, k in zip(values, kinds, strict=True)
+        ]
+    values = iter(values)
     acc, gathered = [], []
     for _, which, aval in operands:
         if which == "gather":
@@ -168,14 +164,7 @@ def _pass(
             top = next(values)
             inexact = jnp.issubdtype(aval.dtype, jnp.inexact)
             acc.append((top, next(values) if inexact else jnp.zeros_like(top)))
-    if shard is not None:
-        acc = [_across(w, a, shard) for (_, w, _), a in zip(_reductions(operands), acc)]
-        gathered = [lax.all_gather(g, shard.axis_names, tiled=True) for g in gathered]
     return _results(plan, level, acc, gathered)
-
-
-def _reductions(operands: list[tuple[int, str, Any]]) -> list[tuple[int, str, Any]]:
-    return [o for o in operands if o[1] != "gather"]
 
 
 def _loop(
@@ -183,55 +172,35 @@ def _loop(
     chunk_fn: Callable[[Any, int], ChunkOutput],
     batch: tuple[list[Array], list[int]],
     options: LoopOptions,
-    shard: Shard | None,
+    shard: BatchSharding | None,
     level: int,
 ) -> ChunkOutput:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
-    their axes, with each element's position in the whole batch), as loop
-    `level` of the plan's: the library's loop, or one chunk of the whole."""
+    their axes, with each element's position in the whole batch), in the
+    library's loop, reported as loop `level` of the plan's."""
     batch_size = _local_size(plan, shard)
     inputs = (list(batch[0]), _positions(batch_size, shard))
     in_axes = (list(batch[1]), 0)
     loops = plan.num_passes + 1
     label = None if loops == 1 else f"loop {level} of {loops}"
-    if options.chunk_size >= batch_size:  # a device's shard in one chunk
-        o = options
-        found = reporter(
-            o.progress_meter, o.api, batch_size, batch_size, o.remainder, label
-        )
-        out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
-        report_step(found, jnp.asarray(0), batch_size, out.batched)
-        return out
     return run_in_chunks(
         chunk_fn, inputs, in_axes, batch_size=batch_size, options=options, loop=label
     )
 
 
-def _local_size(plan: Plan, shard: Shard | None) -> int:
+def _local_size(plan: Plan, shard: BatchSharding | None) -> int:
     """The number of elements this device evaluates."""
     num_devices = 1 if shard is None else shard.num_devices
     return plan.program.batch_size // num_devices
 
 
-def _positions(size: int, shard: Shard | None) -> Array:
+def _positions(size: int, shard: BatchSharding | None) -> Array:
     """The positions in the whole batch of this device's `size` elements."""
     positions = jnp.arange(size)
     if shard is None:
         return positions
     device = lax.axis_index(shard.axis_names).astype(positions.dtype)
     return positions + device * size
-
-
-def _across(which: str, acc: Any, shard: Shard) -> Any:
-    """A pass's accumulator over the whole batch, from every device's."""
-    names = shard.axis_names
-    if which == "sum":
-        return lax.psum(acc, names)
-    top, carrier = acc
-    best = (lax.pmax if which == "max" else lax.pmin)(top, names)
-    if jnp.issubdtype(top.dtype, jnp.inexact):
-        carrier = lax.psum(carrier, names)
-    return best, carrier
 
 
 def _results(
@@ -272,7 +241,7 @@ def run_plan(
     unmapped: list[Array],
     batch: tuple[list[Array], list[int]],
     options: LoopOptions,
-    shard: Shard | None,
+    shard: BatchSharding | None,
     sum_match: bool = False,
 ) -> tuple[list[Array], list[Any]]:
     """The passes and the final loop of `plan`, over `batch` (the mapped leaves
@@ -281,10 +250,6 @@ def run_plan(
     vary, with `sum_match`). `consts` are the program's (inputs of the
     `shard_map`, when sharded)."""
     fixed = list(consts) + list(unmapped)
-    # A shard in one chunk.
-    options = options._replace(
-        chunk_size=min(options.chunk_size, _local_size(plan, shard))
-    )
     results: dict[int, list[Array]] = {}
     for level in range(1, plan.num_passes + 1):
         results.update(_pass(plan, level, fixed, dict(results), batch, options, shard))
@@ -304,7 +269,7 @@ def _final(
     results: dict[int, list[Array]],
     batch: tuple[list[Array], list[int]],
     options: LoopOptions,
-    shard: Shard | None,
+    shard: BatchSharding | None,
     sum_match: bool,
 ) -> tuple[list[Array], list[Array]]:
     """The outputs: the library's loop over the batch (the mapped leaves and
@@ -345,7 +310,7 @@ def _final(
     out = _loop(plan, _chunk_fn, batch, options, shard, plan.num_passes + 1)
     out_mapped, summed = out.batched[:num_mapped], out.batched[num_mapped:]
     if shard is not None:
-        summed = [lax.psum(x, shard.axis_names) for x in summed]
+        summed = [across("sum", x, shard.axis_names) for x in summed]
     if not sum_match:
         return list(out_mapped), list(out.unbatched)
     return list(out_mapped), merge_varying(varies, summed, list(out.unbatched))

@@ -4,7 +4,7 @@ into the staged program's inputs and outputs, and back.
 [`plan_staged_vmap`][] plans the call once, for the whole batch and outside any
 `shard_map`; [`run_staged_vmap`][] runs the plan on the batch (on one device's
 shard, inside `shard_map`, with `shard`), and [`output_shapes`][] gives its
-output's shapes for the sharded path.
+output's shapes at a shard's size (for `shard_map`'s output specs).
 """
 
 from collections.abc import Callable, Hashable
@@ -18,9 +18,10 @@ from jaxtyping import Array, PyTree
 
 from .._axes import describe, varying_unmapped
 from .._custom_types import ChunkOutput, InputArray, keep_untraced, LoopOptions
-from ._analysis import element_struct
+from .._sharding import BatchSharding
+from .._structs import element_struct
 from ._plan import Plan
-from ._run import plan_staged, run_plan, Shard, VaryingUnmappedOutput
+from ._run import plan_staged, run_plan, VaryingUnmappedOutput
 
 
 class StagedVmap(NamedTuple):
@@ -73,7 +74,7 @@ def run_staged_vmap(
     consts: list[Any],
     mapped: PyTree[InputArray],
     options: LoopOptions,
-    shard: Shard | None = None,
+    shard: BatchSharding | None = None,
 ) -> ChunkOutput:
     """What `run_in_chunks` returns for `filter_chunked_vmap`'s chunk function,
     from its staged plan: `consts` are the plan's (`staged.plan.program.consts`,
