@@ -1,5 +1,6 @@
 """Resolving `in_axes`/`out_axes` specs to one `int | None` per leaf, with checks."""
 
+import contextlib
 import inspect
 import operator
 from collections.abc import Callable
@@ -14,41 +15,31 @@ from ._custom_types import AxisSpec, is_none, ResolvedAxisSpec
 from ._jax_compat import batched_none_output
 
 
-def is_array(x: Any) -> bool:
-    """JAX and NumPy arrays and NumPy scalars: the leaves that can be mapped."""
-    return eqx.is_array(x)
+# JAX and NumPy arrays and NumPy scalars: the leaves that can be mapped.
+is_array = eqx.is_array
 
 
 _FROM_FUN = "_filtered_chunk_raised_by_fun"
 
 
 def run_tagged(fun: Callable[..., Any], *args: Any) -> Any:
-    """`fun(*args)`, marking any exception it raises as the function's own.
-
-    A transform rewrites the errors of its own `jax.vmap` (about its out axes);
-    the mark keeps it from rewriting an error that `fun` raised, such as one from a
-    `jax.vmap` inside `fun`.
-    """
+    """`fun(*args)`, marking any exception it raises as the function's own: a
+    transform rewrites the errors of its own `jax.vmap` (about its out axes), not
+    one that `fun` raised, such as one from a `jax.vmap` inside `fun`."""
     try:
         return fun(*args)
     except Exception as e:
-        try:
+        # An exception type with `__slots__` is not marked: not rewritten either way.
+        with contextlib.suppress(AttributeError):
             setattr(e, _FROM_FUN, True)
-        except AttributeError:
-            pass  # an exception type with `__slots__`: not rewritten either way
         raise
-
-
-def raised_by_fun(e: BaseException) -> bool:
-    """Whether `run_tagged` saw `e` come out of the function it ran."""
-    return getattr(e, _FROM_FUN, False)
 
 
 def batched_none_path(e: BaseException) -> tuple[int, ...] | None:
     """If `e` is a transform's own `jax.vmap` refusing an output with out axis
-    `None` that varies over the batch (not an error `fun` raised), the key path
-    JAX names below `out_axes`; else `None`."""
-    return None if raised_by_fun(e) else batched_none_output(e)
+    `None` that varies over the batch (not an error `fun` raised, marked by
+    `run_tagged`), the key path JAX names below `out_axes`; else `None`."""
+    return None if getattr(e, _FROM_FUN, False) else batched_none_output(e)
 
 
 def varying_unmapped(api: str, where: str, fix: str | None = None) -> ValueError:
@@ -66,10 +57,8 @@ def varying_unmapped(api: str, where: str, fix: str | None = None) -> ValueError
 
 
 def describe(argname: str, path: tuple[Any, ...]) -> str:
-    """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`.
-
-    Inputs live in a tree `(args, kwargs)`, so their first key picks the name.
-    """
+    """Renders a leaf's key path as the user wrote it: `args[0]['w']`, `output[1]`
+    (inputs live in a tree `(args, kwargs)`, so their first key picks the name)."""
     if argname == "in_axes" and path:
         head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
         return head + jtu.keystr(tuple(path[1:]))
@@ -79,41 +68,27 @@ def describe(argname: str, path: tuple[Any, ...]) -> str:
 def _resolve_leaf(
     spec: AxisSpec, leaf: Any, where: str, argname: str
 ) -> ResolvedAxisSpec:
-    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
-        return spec
-    if isinstance(spec, bool):
-        return _bool_axis(spec, spec, where, argname)
-    if not callable(spec):
-        raise ValueError(
-            "`in_axes` and `out_axes` must consist of None, ints, and callables only; "
-            f"got {spec!r} for `{where}`."
-        )
-    axis = spec(leaf)
-    if axis is None or (isinstance(axis, int) and not isinstance(axis, bool)):
-        return axis
+    # Not a callable: `None` or an int, as `check_spec` found at build time.
+    axis = spec if spec is None or isinstance(spec, int) else spec(leaf)
     if isinstance(axis, bool):
-        return _bool_axis(axis, spec, where, argname)
+        # `eqx.filter_vmap` takes a bool out axis as the int it is (`True` is 1);
+        # `jax.vmap` rejects a bool in axis with `TypeError`.
+        if argname == "out_axes":
+            return int(axis)
+        raise TypeError(
+            f"An axis spec must be an `int`, `None` or a callable, got {spec!r} for "
+            f"`{where}`. Booleans are not axes."
+        )
+    if axis is None or isinstance(axis, int):
+        return axis
     if argname == "out_axes":
         # `eqx.filter_vmap` moves the axis with `jnp.moveaxis`, which takes any
         # integer (`np.int64` from shape arithmetic); `jax.vmap`'s `in_axes` do not.
-        try:
+        with contextlib.suppress(TypeError):
             return operator.index(axis)
-        except TypeError:
-            pass
     raise TypeError(
         f"The axis spec {spec!r} returned {axis!r} for `{where}`; a callable axis spec "
         "must return an `int` or `None`."
-    )
-
-
-def _bool_axis(axis: bool, spec: Any, where: str, argname: str) -> int:
-    """`eqx.filter_vmap` takes a bool out axis as the int it is (`True` is 1);
-    `jax.vmap` rejects a bool in axis with `TypeError`."""
-    if argname == "out_axes":
-        return int(axis)
-    raise TypeError(
-        f"An axis spec must be an `int`, `None` or a callable, got {spec!r} for "
-        f"`{where}`. Booleans are not axes."
     )
 
 
@@ -124,13 +99,10 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
     for path, leaf in jtu.tree_leaves_with_path(spec, is_leaf=is_none):
         if leaf is None or callable(leaf):
             continue
-        if isinstance(leaf, bool) and argname == "in_axes":
-            # `jax.vmap` raises `TypeError`; `eqx.filter_vmap` takes a bool out
-            # axis as the int it is.
+        if isinstance(leaf, bool) and argname == "in_axes":  # as from `jax.vmap`
             raise TypeError(
-                f"`{argname}` must consist of `None`, ints and callables, got the "
-                f"bool {leaf!r} at `{argname}{jtu.keystr(path)}`. Booleans are not "
-                "axes."
+                f"`{argname}` must consist of `None`, ints and callables, got the bool "
+                f"{leaf!r} at `{argname}{jtu.keystr(path)}`. Booleans are not axes."
             )
         if not isinstance(leaf, int):
             raise ValueError(
@@ -139,30 +111,29 @@ def check_spec(spec: PyTree[Any], argname: str) -> None:
             )
 
 
-def _is_prefix(spec: PyTree[Any], tree: PyTree[Any]) -> bool:
+def _prefix_error(spec: PyTree[Any], tree: PyTree[Any]) -> ValueError | None:
     try:
         jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
-    except ValueError:
-        return False
-    return True
+    except ValueError as e:
+        return e
+    return None
 
 
 def resolve_axes(
     tree: PyTree[Any], spec: PyTree[AxisSpec], argname: str
 ) -> PyTree[ResolvedAxisSpec]:
     """Evaluates the prefix `spec` on every leaf of `tree`, as `eqx.filter_vmap`."""
-    try:
-        jtu.tree_map(lambda *_: None, spec, tree, is_leaf=is_none)
-    except ValueError as e:
+    error = _prefix_error(spec, tree)
+    if error is not None:
         shown, target = spec, "the output" if argname == "out_axes" else "the inputs"
         if argname == "in_axes" and isinstance(spec, tuple) and len(spec) == 2:
             # Built by `bind_arguments` as `(args, kwargs)`: show what was written.
-            bad_args = not _is_prefix(spec[0], tree[0])
+            bad_args = _prefix_error(spec[0], tree[0]) is not None
             shown = spec[0] if bad_args else spec[1]
             target = "the positional arguments" if bad_args else "the keyword arguments"
         raise ValueError(
             f"`{argname}` must be a PyTree prefix of {target}, got {shown!r}. JAX "
-            f"reported: {e}"
+            f"reported: {error}"
         ) from None
 
     def _subtree(prefix: tuple[Any, ...], s: AxisSpec, subtree: Any) -> Any:
@@ -175,22 +146,17 @@ def resolve_axes(
 
 
 def normalise_in_axes(
-    tree: PyTree[Any], axes: PyTree[ResolvedAxisSpec], argname: str
+    tree: PyTree[Any], spec: PyTree[AxisSpec]
 ) -> PyTree[ResolvedAxisSpec]:
-    """Checks that every mapped leaf is an array with that axis; makes axes >= 0."""
+    """The axes `spec` gives the leaves of `tree`, made >= 0, once checked: each
+    mapped leaf must be an array with that axis."""
 
     def _check(path: tuple[Any, ...], axis: ResolvedAxisSpec, leaf: Any) -> Any:
         if axis is None:
             return None
-        where = describe(argname, path)
-        if isinstance(leaf, bool | int | float | complex) and not is_array(leaf):
-            # `jax.vmap` raises `ValueError` for a mapped Python scalar (rank 0).
-            raise ValueError(
-                f"`{where}` is the Python scalar {leaf!r}, which has no axis "
-                f"{axis} to map over. Mark it unmapped with `None` (or use "
-                "`eqx.if_array`), or pass an array with a batch axis."
-            )
-        if not is_array(leaf):
+        where = describe("in_axes", path)
+        scalar = isinstance(leaf, bool | int | float | complex) and not is_array(leaf)
+        if not scalar and not is_array(leaf):
             raise TypeError(
                 f"`{where}` is {type(leaf).__name__} object {leaf!r}, which is "
                 f"not an array, but its axis spec is {axis}. Only arrays can be "
@@ -198,10 +164,12 @@ def normalise_in_axes(
             )
         ndim = np.ndim(leaf)
         if ndim == 0:
+            # `jax.vmap` raises `ValueError` for a mapped Python scalar too.
+            what = f"the Python scalar {leaf!r}" if scalar else "a rank-0 array"
             raise ValueError(
-                f"`{where}` is a rank-0 array, which has no axis {axis} to map over. "
-                "Mark it unmapped with `None` (or use `eqx.if_array`), or pass an "
-                "array with a batch axis."
+                f"`{where}` is {what}, which has no axis {axis} to map over. Mark it "
+                "unmapped with `None` (or use `eqx.if_array`), or pass an array with "
+                "a batch axis."
             )
         if not -ndim <= axis < ndim:
             raise ValueError(
@@ -210,21 +178,18 @@ def normalise_in_axes(
             )
         return axis % ndim
 
+    axes = resolve_axes(tree, spec, "in_axes")
     return jtu.tree_map_with_path(_check, axes, tree, is_leaf=is_none)
 
 
 def batch_size_of(
-    tree: PyTree[Any],
-    axes: PyTree[ResolvedAxisSpec],
-    axis_size: int | None,
-    api: str,
+    tree: PyTree[Any], axes: PyTree[ResolvedAxisSpec], axis_size: int | None, api: str
 ) -> int | None:
     """The common size of all mapped axes; `None` if nothing is mapped."""
-    flat_axes = jtu.tree_leaves_with_path(axes)
-    leaves = {path: leaf for path, leaf in jtu.tree_leaves_with_path(tree)}
+    leaves = dict(jtu.tree_leaves_with_path(tree))
     sizes = {
         describe("in_axes", path): int(np.shape(leaves[path])[axis])
-        for path, axis in flat_axes
+        for path, axis in jtu.tree_leaves_with_path(axes)
     }
     distinct = set(sizes.values())
     if axis_size is not None:
@@ -262,27 +227,17 @@ def bind_arguments(
     in_axes: PyTree[AxisSpec],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    default: AxisSpec,
     api: str,
-) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
-    """Binds keyword arguments to `fun`'s signature and builds the matching spec.
-
-    Arguments that can be passed positionally become positional, so
-    `f(x, y=y)` is `f(x, y)`. A dict `in_axes` names parameters, whether passed by
-    position or keyword; otherwise a tuple `in_axes` covers the positional
-    arguments and the remaining keyword arguments get `default`, and a single spec
-    covers everything.
-    """
+) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], Any]:
+    """The tree `(args, kwargs)`, keyword arguments bound to `fun`'s signature, and
+    the matching spec, as the **Returns:** of `filter_chunked_vmap`'s docstring says."""
     try:
         signature = inspect.signature(fun)
     except (TypeError, ValueError):
         signature = None
     if signature is not None and kwargs:
-        try:
+        with contextlib.suppress(TypeError):  # else `fun` raises its own when called
             bound = signature.bind(*args, **kwargs)
-        except TypeError:
-            pass  # let `fun` raise its own error when called
-        else:
             args, kwargs = bound.args, bound.kwargs
     if isinstance(in_axes, dict):
         names = [] if signature is None else list(signature.parameters)
@@ -301,9 +256,9 @@ def bind_arguments(
                 f"{tuple(unpassed)}. A parameter named in a dict `in_axes` must be "
                 "passed explicitly (its default value is not mapped)."
             )
-        arg_axes = tuple(in_axes.get(name, default) for name in positional)
-        kwarg_axes = {k: in_axes.get(k, default) for k in kwargs}
-        return args, kwargs, (arg_axes, kwarg_axes)
+        arg_axes = tuple(in_axes.get(name, eqx.if_array(0)) for name in positional)
+        kwarg_axes = {k: in_axes.get(k, eqx.if_array(0)) for k in kwargs}
+        return (args, kwargs), (arg_axes, kwarg_axes)
     if isinstance(in_axes, tuple | list):
-        return args, kwargs, (in_axes, {k: default for k in kwargs})
-    return args, kwargs, in_axes
+        return (args, kwargs), (in_axes, {k: eqx.if_array(0) for k in kwargs})
+    return (args, kwargs), in_axes

@@ -38,23 +38,20 @@ from ._custom_types import (
 )
 from ._progress import AbstractProgressMeter
 from ._summed import split_varying, summed_output, with_sums
-from ._wrapper import (
-    AbstractMappedPlan,
-    Bound,
-    ChunkOptions,
-    ChunkSizeSpec,
-    Fun,
-    wrap,
-)
+from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, ChunkSizeSpec, Fun, wrap
 
 
 _API = "filter_chunked_vmap"
 
 
-def _split_output(
-    out: PyTree[Any], out_axes: PyTree[AxisSpec], batch_known: bool = True
+def _evaluate(
+    out_axes: PyTree[AxisSpec], closed: Any, mapped: Any, batch_known: bool = True
 ) -> tuple[Any, ...]:
-    """Splits `fun`'s output into mapped arrays, unmapped arrays, and the rest."""
+    """`fun` on one element (the mapped leaves `mapped`), its output split into
+    mapped arrays, unmapped arrays, and `Static((the rest, out axes))`."""
+    fun, static = closed
+    _args, _kwargs = eqx.combine(mapped, static)
+    out = fun(*_args, **_kwargs)
     axes = resolve_axes(out, out_axes, "out_axes")
     if not batch_known and jtu.tree_leaves(axes):
         # Before looking at the leaves, as `eqx.filter_vmap` does.
@@ -100,49 +97,24 @@ class _VmapPlan(AbstractMappedPlan):
     ) -> Any:
         is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
         static, mapped = eqx.partition(bound.tree, is_unmapped)
-        if bound.batch_size is None:
-            out_mapped, out_unmapped, out_static = _evaluate(
-                fun, self.out_axes, static, mapped, batch_known=False
-            )
-            return eqx.combine(out_mapped, out_unmapped, out_static.value[0])
-        chunk = ft.partial(
-            _chunk, self.out_axes, bound.in_axes, options.axis_name, self.sum_match
-        )
+        closed, size, sum_match = (fun, static), bound.batch_size, self.sum_match
+        if size is None:
+            out = _evaluate(self.out_axes, closed, mapped, batch_known=False)
+            return eqx.combine(*out[:2], out[2].value[0])
+        out_axes, in_axes = self.out_axes, bound.in_axes
+        chunk = ft.partial(_chunk_fn, out_axes, in_axes, options.axis_name, sum_match)
+        element = ft.partial(_evaluate, out_axes)
         batch = Batch(
-            chunk,
-            (fun, static),
-            mapped,
-            bound.in_axes,
-            bound.batch_size,
-            element=ft.partial(_element, self.out_axes),
-            sum_match=self.sum_match,
+            chunk, closed, mapped, in_axes, size, element=element, sum_match=sum_match
         )
         out = run_batch(batch, chunk_size, options, bound.sharding)
-        if self.sum_match:
+        if sum_match:
             return with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
 
-def _evaluate(
-    fun: Callable[..., Any],
-    out_axes: Any,
-    static: Any,
-    mapped: Any,
-    batch_known: bool = True,
-) -> tuple[Any, ...]:
-    """`fun` on one element (the mapped leaves `mapped`), its output split."""
-    _args, _kwargs = eqx.combine(mapped, static)
-    return _split_output(fun(*_args, **_kwargs), out_axes, batch_known)
-
-
-def _element(out_axes: Any, closed: Any, mapped: Any) -> tuple[Any, ...]:
-    """`fun` on one element, its output split: for collectives over the axis."""
-    fun, static = closed
-    return _evaluate(fun, out_axes, static, mapped)
-
-
-def _chunk(
-    out_axes: Any,
+def _chunk_fn(
+    out_axes: PyTree[AxisSpec],
     in_axes: Any,
     axis_name: Hashable | None,
     sum_match: bool,
@@ -150,25 +122,11 @@ def _chunk(
     mapped: Any,
     size: int,
 ) -> ChunkOutput:
-    fun, static = closed
-    element = ft.partial(_evaluate, fun, out_axes, static)
-    return _chunk_fn(element, in_axes, axis_name, mapped, size, sum_match)
-
-
-def _chunk_fn(
-    element: Callable[..., Any],
-    in_axes: Any,
-    axis_name: Hashable | None,
-    mapped: Any,
-    size: int,
-    sum_match: bool = False,
-) -> ChunkOutput:
-    """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes.
-
-    With `sum_match`, the unmapped outputs that vary over the batch are rows of
-    sums that the loop accumulates (`_summed.py`), after the mapped outputs in
-    `batched`; `_with_sums` puts them back in their places.
-    """
+    """One `jax.vmap` of `fun` over `size` elements, outputs at their out axes. With
+    `sum_match`, the unmapped outputs that vary over the batch are rows of sums that
+    the loop accumulates (`_summed.py`), after the mapped outputs in `batched`;
+    `with_sums` puts them back in their places."""
+    element = ft.partial(_evaluate, out_axes, closed)
     paths: list[str] = []
     varies: list[bool] = []
 
@@ -189,17 +147,10 @@ def _chunk_fn(
             summed, flat, varies[:] = split_varying(flat, marker)
         return flat, _out_mapped, summed, _static, Static(treedef)
 
-    vmapped = jax.vmap(
-        _flat_unmapped,
-        in_axes=(in_axes,) + (0,) * len(positions),
-        out_axes=(None, 0, 0, None, None),
-        axis_name=axis_name,
-        axis_size=size,
-    )
+    in_out = ((in_axes,) + (0,) * len(positions), (None, 0, 0, None, None))
+    vmapped = jax.vmap(_flat_unmapped, *in_out, axis_name=axis_name, axis_size=size)
     try:
-        unmapped_leaves, out_mapped, summed, static, treedef = vmapped(
-            mapped, *positions
-        )
+        unmapped, out_mapped, summed, static, treedef = vmapped(mapped, *positions)
     except ValueError as e:
         path = batched_none_path(e)
         if path is None:
@@ -209,16 +160,14 @@ def _chunk_fn(
         raise varying_unmapped(_API, where) from None
     if sum_match:
         where = (list(varies), treedef.value)
-        return summed_output(out_mapped, static, summed, unmapped_leaves, where)
-    out_static, out_axes = static.value
-    out_unmapped = jtu.tree_unflatten(treedef.value, unmapped_leaves)
+        return summed_output(out_mapped, static, summed, unmapped, where)
+    out_static, resolved = static.value  # the out axes, resolved on the output
     # What no trace computed is returned as it is (`jax.vmap` does the same).
-    out_unmapped, kept = keep_untraced(out_unmapped)
-    out_static = eqx.combine(out_static, kept)
-    axes = tuple(jtu.tree_leaves(out_axes))
+    out_unmapped, kept = keep_untraced(jtu.tree_unflatten(treedef.value, unmapped))
+    axes = tuple(jtu.tree_leaves(resolved))
     moved = [jnp.moveaxis(x, 0, a) for x, a in zip(jtu.tree_leaves(out_mapped), axes)]
     out_mapped = jtu.tree_unflatten(jtu.tree_structure(out_mapped), moved)
-    return ChunkOutput(out_mapped, axes, out_unmapped, out_static)
+    return ChunkOutput(out_mapped, axes, out_unmapped, eqx.combine(out_static, kept))
 
 
 @overload
@@ -273,12 +222,11 @@ def filter_chunked_vmap(
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
 
-    The batch is split into chunks of `chunk_size` elements; one `jax.lax.scan`
-    runs `jax.vmap(fun)` on each chunk and writes its outputs into preallocated
-    arrays. Peak memory is then the outputs plus one chunk's working set, instead of
-    the whole batch's working set. Wherever `chunk_size` does not matter, the result
-    is exactly that of `equinox.filter_vmap`: same values, shapes, dtypes, PyTree
-    structure, and the same exception class for bad input.
+    One `jax.lax.scan` runs `jax.vmap(fun)` on each chunk and writes its outputs
+    into preallocated arrays, so peak memory is the outputs plus one chunk's working
+    set, not the whole batch's. Wherever `chunk_size` does not matter, the result is
+    exactly `equinox.filter_vmap`'s: same values, shapes, dtypes, PyTree structure,
+    and the same exception class for bad input.
 
     **Arguments:**
 
@@ -290,68 +238,62 @@ def filter_chunked_vmap(
         mapping parameter names to such specs. Defaults to `equinox.if_array(0)`: map
         every JAX/NumPy array along its leading axis and broadcast everything else.
     - `out_axes`: keyword-only. As for `equinox.filter_vmap`: where the mapped axis
-        appears in each output. An array output marked `None` must not vary
-        over the batch; it is returned once. Defaults to `equinox.if_array(0)`.
-    - `chunk_size`: keyword-only. The number of batch elements evaluated together.
-        `None` (the default), or any value at least the batch size, evaluates the
-        whole batch in one `vmap`, exactly as `equinox.filter_vmap`. When the batch
-        is split over devices (see `spmd_axis_name`), it counts elements per device:
-        each device chunks its own `batch_size / num_devices` elements. Any
-        integer type is accepted (`numpy.int64`, a JAX integer scalar). Or a
-        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
-        largest chunk size whose compiled program fits it is chosen when the
-        transform is first called with given shapes (see the guide on
-        [choosing `chunk_size`][choosing-chunk_size]).
+        appears in each output. An array output marked `None` must not vary over
+        the batch; it is returned once. Defaults to `equinox.if_array(0)`.
+    - `chunk_size`: keyword-only. The number of batch elements evaluated together,
+        of any integer type (`numpy.int64`, a JAX integer scalar). `None` (the
+        default), or any value at least the batch size, evaluates the whole batch
+        in one `vmap`, exactly as `equinox.filter_vmap`. With the batch split over
+        devices (see `spmd_axis_name`), it counts elements per device: each device
+        chunks its own `batch_size / num_devices` elements. Or a memory budget,
+        `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the largest chunk size
+        whose compiled program fits it is chosen when the transform is first
+        called with given shapes (see [choosing `chunk_size`][choosing-chunk_size]).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
-        `jax.lax.psum`. They are computed over the whole batch, as by
-        `equinox.filter_vmap`, however it is split: across chunks, `fun` is
-        evaluated in passes over the batch, one per level of collectives that
-        depend on each other, plus the final one (see
+        `jax.lax.psum`, computed over the whole batch as by `equinox.filter_vmap`
+        however it is split: across chunks, `fun` is evaluated in passes over the batch,
+        one per level of collectives that depend on each other, plus the final one (see
         [collectives across chunks][collectives-across-chunks]). What cannot be computed
-        exactly across chunks (a collective inside a `lax.scan` body, or one that
-        only a custom derivative rule performs) raises before anything runs.
+        exactly across chunks (a collective inside a `lax.scan` body, or one that only a
+        custom derivative rule performs) raises before anything runs.
     - `axis_size`: keyword-only. The batch size, needed only when nothing is mapped.
     - `remainder`: keyword-only. How to handle the last `batch_size % chunk_size`
         elements. `"overlap"` (the default) runs one loop of `ceil(batch_size /
-        chunk_size)` steps over chunks of equal size (at most `chunk_size`), the
-        last starting where it ends the batch: it recomputes fewer elements than
-        there are steps, needs no second working set, and traces `fun` once
-        (with `axis_name`, once more with the axis unbound, to find whether
-        `fun` reads it). `"separate"` evaluates the remainder in a second
-        `vmap` after the loop: no recomputation, but a second trace of `fun`
-        and, measured, up to twice the memory.
+        chunk_size)` steps over chunks of equal size (at most `chunk_size`), the last
+        ending at the end of the batch: it recomputes fewer elements than there are
+        steps, needs no second working set, and traces `fun` once (with `axis_name`,
+        once more with the axis unbound, to find whether `fun` reads it). `"separate"`
+        evaluates the remainder in a second `vmap` after the loop: no recomputation, but
+        a second trace of `fun` and, measured, up to twice the memory.
     - `checkpoint`: keyword-only. Rematerialise each chunk in reverse mode, so that
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save. It has no effect on evaluation without differentiation.
-    - `spmd_axis_name`: keyword-only. The mesh axis name (or tuple of names) that
-        the batch is split over, as for `jax.vmap`. When the batch is split over
-        devices, each device chunks its own elements inside `jax.shard_map`, so the
-        compiled program has no collective on the batch and the mapped outputs are
-        split like the inputs, along their out axes. The split is found by itself
-        outside `jax.jit` and in explicit-sharding mode; name it only under `jit`
-        in auto-sharding mode, with the mesh set by `jax.set_mesh`. The batch size
-        must then be a multiple of the number of devices. Defaults to `None`. See
-        the guide on [sharded and multi-host use][sharded-and-multi-host-use].
+    - `spmd_axis_name`: keyword-only. The mesh axis name (or tuple of names) that the
+        batch is split over, as for `jax.vmap`. Each device then chunks its own elements
+        inside `jax.shard_map`: the compiled program has no collective on the batch, and
+        the mapped outputs are split like the inputs, along their out axes. The split is
+        found by itself outside `jax.jit` and in explicit-sharding mode; name it only
+        under `jit` in auto-sharding mode, with the mesh set by `jax.set_mesh`. The
+        batch size must then be a multiple of the number of devices. Defaults to `None`.
+        See the guide on [sharded and multi-host use][sharded-and-multi-host-use].
     - `progress_meter`: keyword-only. Reports the elements done while the call
         runs, also under `jax.jit`: {meters} Only a call split into chunks
-        reports. See the [guide on progress][progress]. With a sharded batch, one
-        meter counts every device's elements.
+        reports; with a sharded batch, one meter counts every device's elements.
+        See the [guide on progress][progress].
     - `sum_match`: keyword-only. As for `jax.vmap`: an array output marked
-        `out_axes=None` that varies over the batch is summed over it (in
-        `jnp.sum`'s dtype), instead of raising; one that does not vary is
-        returned as it is. Chunked, the sum is accumulated across chunks, so it
-        costs its own size, never the batch's (see the recipe on
-        [per-example gradients][per-example-gradients-summed-in-one-map]).
+        `out_axes=None` that varies over the batch is summed over it (in `jnp.sum`'s
+        dtype) instead of raising; one that does not vary is returned as it is. Chunked,
+        the sum is accumulated across chunks, costing its own size, never the batch's
+        (see [per-example gradients][per-example-gradients-summed-in-one-map]).
         Defaults to `False`.
 
     **Returns:**
 
-    A function with the signature of `fun`, returning what `equinox.filter_vmap`
-    would. Keyword arguments are accepted at call time (Equinox does not accept
-    them): they are bound to `fun`'s signature first, so `f(x, y=y)` is `f(x, y)`.
-    A dict `in_axes` names parameters however they are passed; with a tuple
-    `in_axes`, the keyword arguments that cannot be passed positionally get
+    A function with the signature of `fun`, returning what `equinox.filter_vmap` would.
+    Unlike Equinox, it accepts keyword arguments, bound to `fun`'s signature first, so
+    `f(x, y=y)` is `f(x, y)`. A dict `in_axes` names parameters however they are passed;
+    with a tuple `in_axes`, the keyword arguments that cannot be passed positionally get
     `equinox.if_array(0)`; a single spec covers every argument.
 
     !!! example

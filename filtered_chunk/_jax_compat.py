@@ -2,10 +2,9 @@
 
 The rest of the package uses JAX's public API only (`jax.interpreters.*` for the
 rules of a primitive, `jax.extend.core` for jaxprs). What follows has no public
-home, or changed between the JAX versions supported (`MIN_JAX` up to the newest:
-the range is `pyproject.toml`'s), each in one place; `tests/test_jax_compat.py`
-checks each against JAX itself, so that a JAX release that changes one fails
-there, loudly, rather than deep in a call.
+home, or changed between the JAX versions supported (`MIN_JAX` to the newest, as
+in `pyproject.toml`), each in one place, checked against JAX itself by
+`tests/test_jax_compat.py`: a JAX release that changes one fails there, loudly.
 """
 
 import contextlib
@@ -13,7 +12,7 @@ import logging
 import os
 import re
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 import jax.core
@@ -39,31 +38,25 @@ if jax.__version_info__ < MIN_JAX:
         f"filtered_chunk needs jax>={'.'.join(map(str, MIN_JAX))}, but "
         f"jax {jax.__version__} is installed: upgrade jax and jaxlib."
     )
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 # Version-dependent: the mesh axes a value varies over inside `shard_map`, which
 # JAX 0.10 moved from `ShapeDtypeStruct.vma` to `.manual_axis_type.varying`.
 def varying_axes(struct: Any) -> tuple[str, ...]:
-    """The manual mesh axes over which values of type `struct` (a
-    `jax.ShapeDtypeStruct` or an abstract value) vary."""
+    """The manual mesh axes a `jax.ShapeDtypeStruct` or abstract value varies over."""
     manual = struct.manual_axis_type
     return () if manual is None else tuple(manual.varying)
 
 
 # Version-dependent: from JAX 0.11 a `Jaxpr` holds the values of its constvars.
 def without_const_values(jaxpr: Any) -> Any:
-    """`jaxpr` with no values attached to its constvars (their number unchanged).
-
+    """`jaxpr` with no values attached to its constvars (their number unchanged):
     `eqx.filter_closure_convert` passes a function's constants itself, beside its
     jaxpr; the copies that JAX 0.11 and later attach to the jaxpr are tracers of
     the trace that made it, which a derivative rule holding the function would
-    keep alive after that trace ends (`jax.checking_leaks` reports them).
-    """
+    keep alive after that trace ends (`jax.checking_leaks` reports them)."""
     consts = getattr(jaxpr, "consts", None)
-    if not consts:
-        return jaxpr
-    return jaxpr.with_consts([None] * len(consts))
+    return jaxpr.with_consts([None] * len(consts)) if consts else jaxpr
 
 
 # Internal: tracer classes and their fields. `jax.interpreters.ad` exports
@@ -72,10 +65,9 @@ def without_const_values(jaxpr: Any) -> Any:
 def _tangent_batch(x: Any) -> int | None:
     """How many tangents a `JVPTracer` carries at once: a `jacfwd` basis is a
     `vmap` of the tangent only (an outer `vmap` batches the primal too)."""
-    t = x.tangent
+    t, primal = x.tangent, x.primal
     if not isinstance(t, _BatchTracer) or not isinstance(t.batch_dim, int):
         return None
-    primal = x.primal
     if isinstance(primal, _BatchTracer) and primal._trace is t._trace:
         return None
     return int(jax.typeof(t.val).shape[t.batch_dim])
@@ -109,16 +101,14 @@ def with_weak_type(x: Array | np.ndarray, weak_type: bool) -> Array:
     return _convert_element_type(x, jax.typeof(x).dtype, weak_type=weak_type)  # pyright: ignore[reportReturnType]
 
 
-# Internal: tracebacks. JAX drops the frames of excluded files from the traceback
-# of an exception raised below an API boundary (Equinox excludes its own files).
+# Internal: tracebacks. JAX drops the frames of excluded files (Equinox excludes
+# its own) from the traceback of an exception raised below an API boundary.
 def exclude_from_tracebacks(path: str) -> None:
-    """Drops the frames of the files under `path` from JAX's tracebacks."""
     _traceback_util.register_exclusion(os.path.dirname(path))
 
 
-def api_boundary(fun: _F) -> _F:
-    """JAX filters the tracebacks of exceptions raised below a call of `fun`."""
-    return _traceback_util.api_boundary(fun)
+# JAX filters the tracebacks of exceptions raised below a call of the function.
+api_boundary = _traceback_util.api_boundary
 
 
 # Internal: the text of JAX's error for a batched output at out axis `None`.
@@ -154,21 +144,13 @@ def lower_host_callback(
     sharding = None
     if isinstance(axis_context, mlir.ShardingContext):
         # Run it once, on the first device, as `jax.debug.callback` does.
-        sharding = _sharding_impls.SdyArrayList(
-            (
-                _named_sharding.SdyArray(
-                    mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
-                ),
-            )
+        first = _named_sharding.SdyArray(
+            mesh_shape=(), dim_shardings=(), logical_device_ids=(0,)
         )
-
-    def _host(*flat: Any) -> tuple[()]:
-        callback(*flat)
-        return ()
-
+        sharding = _sharding_impls.SdyArrayList((first,))
     mlir.emit_python_callback(
         ctx,
-        _host,
+        lambda *flat: callback(*flat) or (),
         None,
         list(args),
         ctx.avals_in,
@@ -186,31 +168,25 @@ _CALLBACK_LOGGER = "jax._src.callback"
 _EQX_MARK = "_EquinoxRuntimeError: "
 
 
-class _QuietCallbackErrors(logging.Filter):
-    """Drops JAX's log record of a failed callback, as `eqx.filter_jit` does: the
-    error it logs is the one raised."""
+@contextlib.contextmanager
+def quiet_callback_errors() -> Iterator[None]:
+    """Within, JAX's log of a failed callback is dropped, as `eqx.filter_jit` drops
+    it: the error it logs is the one raised."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
+    def _keep(record: logging.LogRecord) -> bool:
         failed = record.getMessage() == "jax.pure_callback failed"
         return not (record.name == _CALLBACK_LOGGER and failed)
 
-
-@contextlib.contextmanager
-def quiet_callback_errors() -> Iterator[None]:
-    """Within, JAX does not log the failure of a callback (its error is raised)."""
     logger = logging.getLogger(_CALLBACK_LOGGER)
-    quiet = _QuietCallbackErrors()
-    logger.addFilter(quiet)
+    logger.addFilter(_keep)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
+        logger.removeFilter(_keep)
 
 
 def equinox_runtime_message(e: BaseException) -> str | None:
     """The message of the `eqx.error_if` that raised `e` in a running program, or
     `None` if `e` is some other error."""
-    text = str(e)
-    if _EQX_MARK not in text:
-        return None
-    return text.split(_EQX_MARK, 1)[1].split("\n\n\n-----", 1)[0]
+    _, mark, message = str(e).partition(_EQX_MARK)
+    return message.split("\n\n\n-----", 1)[0] if mark else None

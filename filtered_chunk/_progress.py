@@ -1,8 +1,6 @@
-"""Progress meters: what a chunked call reports to while it runs.
-
-The meters run on the host. How the loop calls them, under `jit`, `grad`, `vmap`,
-sharding and nesting, is in `_reporting.py`.
-"""
+"""Progress meters: what a chunked call reports to, on the host, while it runs. How
+the loop calls them, under `jit`, `grad`, `vmap`, sharding and nesting, is in
+`_reporting.py`."""
 
 import abc
 import time
@@ -16,13 +14,12 @@ class AbstractProgressMeter(eqx.Module):
     chunked calls anywhere (a log, an experiment tracker, a GUI).
 
     A meter is an `equinox.Module` whose three methods run on the host, called
-    from the compiled program while it runs: `open` when the first chunk of a call
-    is done, `update` after every chunk (or every few chunks, so that a call makes
-    at most `max_updates` updates), `close` after the last one. They run once
-    per execution of the loop, not per trace, so under `jax.jit` each call of the
-    compiled function gets its own `open`/`close` pair. The counts are elements of
-    the batch (rows or columns for the Jacobians), never more than `total`, and
-    never decreasing.
+    from the compiled program while it runs: `open` when a call's first chunk is
+    done, `update` after every chunk (or every few, so that a call makes at most
+    `max_updates` updates), `close` after the last one. They run per execution of
+    the loop, not per trace: under `jax.jit`, each call of the compiled function
+    gets its own `open`/`close` pair. The counts are elements of the batch (rows or
+    columns for the Jacobians), never more than `total`, and never decreasing.
 
     Keep the fields hashable (numbers, strings, `eqx.field(static=True)` objects):
     a meter is part of the compiled program's identity, so that calling a chunked
@@ -44,9 +41,7 @@ class AbstractProgressMeter(eqx.Module):
             def close(self, state):
                 print(f"{state['label']}: done")
 
-        f = fc.filter_chunked_vmap(
-            jnp.sin, chunk_size=4, progress_meter=PrintPercent()
-        )
+        f = fc.filter_chunked_vmap(jnp.sin, chunk_size=4, progress_meter=PrintPercent())
         f(jnp.arange(10.0))  # prints 40%, 80%, 100%, done
         ```
     """
@@ -83,9 +78,8 @@ class NoProgressMeter(AbstractProgressMeter):
         import jax.numpy as jnp
         import filtered_chunk as fc
 
-        f = fc.filter_chunked_vmap(
-            jnp.sin, chunk_size=4, progress_meter=fc.NoProgressMeter()
-        )
+        meter = fc.NoProgressMeter()
+        f = fc.filter_chunked_vmap(jnp.sin, chunk_size=4, progress_meter=meter)
         assert jnp.allclose(f(jnp.arange(10.0)), jnp.sin(jnp.arange(10.0)))
         ```
     """
@@ -102,8 +96,7 @@ class NoProgressMeter(AbstractProgressMeter):
 
 class _TextState:
     def __init__(self, label: str, total: int) -> None:
-        self.label, self.total = label, total
-        self.done = self.printed = 0
+        self.label, self.total, self.done, self.printed = label, total, 0, 0
         self.start = time.perf_counter()
 
 
@@ -155,11 +148,8 @@ class TextProgressMeter(AbstractProgressMeter):
     def close(self, state: _TextState) -> None:
         seconds = time.perf_counter() - state.start
         end = "done" if state.done == state.total else "stopped"
-        print(
-            f"{state.label}: {_fraction(state.done, state.total)} {end} "
-            f"in {seconds:.2f} s",
-            flush=True,
-        )
+        line = f"{_fraction(state.done, state.total)} {end} in {seconds:.2f} s"
+        print(f"{state.label}: {line}", flush=True)
 
 
 def _fraction(done: int, total: int) -> str:

@@ -1,28 +1,19 @@
 """How the loop reports to a progress meter: elements done out of the batch size.
 
-Each step of the loop over chunks calls back to the host once, with the number of
-elements done (`min(end of the step, batch_size)`, so the overlapping last chunk
-never counts twice) and one element of the step's outputs: a data dependency, so
-that the call happens after the step's work rather than wherever XLA schedules it.
-The first step's report opens a meter's state and the last one closes it, so each
-*execution* of a compiled program gets its own state, and a loop without a meter
-has no callback at all. A loop of more steps than the meter's `max_updates` reports
-every `stride` steps (and the last), skipping the callback in between with a
-`lax.cond`: each call stops the program for Python.
+Each step of the loop calls back to the host once, with the elements done
+(`min(end of the step, batch_size)`: the overlapping last chunk never counts twice)
+and one element of the step's outputs, a data dependency so that the call happens
+after the step's work rather than wherever XLA schedules it. The first step's report
+opens a meter's state and the last closes it: each *execution* of a compiled program
+gets its own state, and a loop without a meter has no callback at all.
 
 The callback is a primitive of this module rather than `jax.debug.callback`, which
 wraps its callable in a new closure on every trace (defeating the compiled program
 cache of eager calls, keyed on the callables in the jaxpr: see `_eager.py`) and
-copies the operands with `jax.device_put` on the host, which costs several times
-more per call (`benchmarks/progress.py`). The primitive behaves as a debug callback
-for JAX's transformations: it has JAX's unordered debug effect, which `custom_jvp`,
-`checkpoint` and control flow allow; it has no tangent and no transpose; partial
-evaluation keeps it with its known operands only, so reverse mode calls it in the
-forward pass, and a `jax.checkpoint` around the call does not call it again when it
-reruns that pass; under `vmap` its operands are reduced to one element, so an outer
-`vmap` reports once per step. Its rules go into JAX's public tables
-(`jax.interpreters`); only its lowering takes JAX internals, as
-`jax.debug.callback`'s does (`_jax_compat.lower_host_callback`);
+copies the operands with `jax.device_put` on the host, several times slower per call
+(`benchmarks/progress.py`). Its rules, in JAX's public tables (`jax.interpreters`),
+make it behave as a debug callback, as each says; only its lowering takes JAX
+internals, as `jax.debug.callback`'s does (`_jax_compat.lower_host_callback`).
 `tests/test_progress.py` exercises each rule.
 """
 
@@ -33,7 +24,7 @@ import functools as ft
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -58,6 +49,15 @@ def _close(reporter: "Reporter") -> None:
     reporter.methods[2](reporter.meter, state)
 
 
+def _close_opened_after(first: int) -> None:
+    with _lock:
+        for reporter in [r for r, (n, _) in _running.items() if n > first]:
+            _close(reporter)
+
+
+atexit.register(_close_opened_after, -1)
+
+
 @contextlib.contextmanager
 def closing_on_error() -> Iterator[None]:
     """Closes the meters a failing call opened (outside `jit` the failure of a
@@ -66,17 +66,8 @@ def closing_on_error() -> Iterator[None]:
     try:
         yield
     except BaseException:
-        with _lock:
-            for reporter in [r for r, (n, _) in _running.items() if n > first]:
-                _close(reporter)
+        _close_opened_after(first)
         raise
-
-
-@atexit.register
-def _close_all() -> None:
-    with _lock:
-        for reporter in list(_running):
-            _close(reporter)
 
 
 class Reporter:
@@ -87,11 +78,9 @@ class Reporter:
     # covers everything that decides where its reports go.
     cache_by_value = True
 
-    __slots__ = (
-        *("meter", "label", "total", "first", "last", "scale", "stride"),
-        *("_key", "_hash", "methods"),
-        "__weakref__",  # JAX keeps weak references to parameters
-    )
+    _FIELDS = ("meter", "label", "total", "first", "last", "scale", "stride")
+    # `__weakref__`: JAX keeps weak references to parameters.
+    __slots__ = (*_FIELDS, "_key", "_hash", "methods", "__weakref__")
 
     def __init__(
         self,
@@ -104,8 +93,7 @@ class Reporter:
         stride: int,  # report every `stride` steps (and the last one)
     ) -> None:
         self.meter, self.label, self.total = meter, label, total
-        self.first, self.last, self.scale = first, last, scale
-        self.stride = stride
+        self.first, self.last, self.scale, self.stride = first, last, scale, stride
         # Called through the class: an `eqx.Module`'s bound method costs about
         # 50 us to make, on every step (`benchmarks/progress.py`).
         cls = type(meter)
@@ -130,18 +118,13 @@ class Reporter:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        if self is other:
-            return True
         if not isinstance(other, Reporter) or self._hash != other._hash:
             return False
-        return bool(self._key == other._key)
+        return self is other or bool(self._key == other._key)
 
     def __repr__(self) -> str:
-        return (
-            f"Reporter(meter={self.meter!r}, label={self.label!r}, "
-            f"total={self.total}, first={self.first}, last={self.last}, "
-            f"scale={self.scale}, stride={self.stride})"
-        )
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._FIELDS)
+        return f"Reporter({fields})"
 
     def __call__(self, done: Any, *rest: Any) -> None:
         # `rest`: the device's index over the batch's mesh axes (if sharded), then
@@ -158,32 +141,20 @@ class Reporter:
             if self not in _running:
                 return
             _, state = _running[self]
-            count = (
-                self.total if done >= self.last else min(done * self.scale, self.total)
-            )
+            ended = done >= self.last
+            count = self.total if ended else min(done * self.scale, self.total)
             self.methods[1](self.meter, state, count)
-            if done >= self.last:
+            if ended:
                 _close(self)
 
 
-# The primitive: a debug callback with a stable callable and a lean host call.
 progress_p = jex.Primitive("chunk_progress")
 progress_p.multiple_results = True
 # JAX's unordered debug effect: allowed under control flow, `custom_jvp` and
-# `checkpoint`; JAX registers those by the effect's type.
+# `checkpoint`, which JAX registers by the effect's type.
 _debug_effect = jax.debug.DebugEffect()
-
-
-@progress_p.def_impl
-def _impl(*args: Any, callback: Reporter) -> list[Any]:
-    callback(*args)
-    return []
-
-
-@progress_p.def_effectful_abstract_eval
-def _abstract_eval(*avals: Any, callback: Reporter) -> tuple[list[Any], set[Any]]:
-    del avals, callback
-    return [], {_debug_effect}
+progress_p.def_impl(lambda *args, callback: callback(*args) or [])
+progress_p.def_effectful_abstract_eval(lambda *_, callback: ([], {_debug_effect}))
 
 
 def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
@@ -196,10 +167,8 @@ def _batch(args: Sequence[Any], dims: Sequence[Any], **params: Any) -> Any:
 
 
 batching.primitive_batchers[progress_p] = _batch
-ad.primitive_jvps[progress_p] = lambda primals, tangents, **params: (
-    progress_p.bind(*primals, **params),
-    [],
-)
+# No tangent and no transpose (of `primals, tangents`): it returns nothing.
+ad.primitive_jvps[progress_p] = lambda p, t, **kw: (progress_p.bind(*p, **kw), [])
 ad.primitive_transposes[progress_p] = lambda _, *args, **params: [None] * len(args)
 
 
@@ -219,10 +188,7 @@ def _partial_eval_custom(
 pe.partial_eval_jaxpr_custom_rules[progress_p] = _partial_eval_custom
 
 
-def _lower(ctx: Any, *args: Any, callback: Reporter) -> Any:
-    return lower_host_callback(ctx, args, callback, _debug_effect)
-
-
+_lower = lambda ctx, *a, callback: lower_host_callback(ctx, a, callback, _debug_effect)
 mlir.register_lowering(progress_p, _lower, platform="cpu")
 mlir.register_lowering(progress_p, _lower, platform="gpu")
 # Python callbacks use channel IDs on TPU, which must not be cached.
@@ -230,22 +196,18 @@ mlir.register_lowering(progress_p, _lower, platform="tpu", cacheable=False)
 
 
 # Trace side.
-class _Context:
+class _Context(NamedTuple):
     outer: bool = False  # inside the loop of a chunked call that reports
     axis_names: tuple[str, ...] = ()
     num_devices: int = 1
 
 
-_context: contextvars.ContextVar[_Context] = contextvars.ContextVar(
-    "filtered_chunk_progress", default=_Context()
-)
+_context = contextvars.ContextVar("filtered_chunk_progress", default=_Context())
 
 
 @contextlib.contextmanager
 def _set(**changes: Any) -> Iterator[None]:
-    context = _Context()
-    context.__dict__.update(vars(_context.get()), **changes)
-    token = _context.set(context)
+    token = _context.set(_context.get()._replace(**changes))
     try:
         yield
     finally:
@@ -292,13 +254,10 @@ def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
 
 
 def _dependency(tree: PyTree[Array]) -> list[Array]:
-    """One element of the first numeric array of `tree` that has one.
-
-    `tree` holds the outputs once written into the full-size buffers, so that the
-    report follows the whole step, its write included (the compiled loop is
-    otherwise the same: no copy is added, checked on the HLO of
-    `benchmarks/progress.py`'s workload).
-    """
+    """One element of the first numeric array of `tree` that has one: the outputs
+    once written into the full-size buffers, so that the report follows the whole
+    step, its write included (the compiled loop is otherwise the same: no copy is
+    added, checked on the HLO of `benchmarks/progress.py`'s workload)."""
     for x in jtu.tree_leaves(tree):
         if x.size and (jnp.issubdtype(x.dtype, jnp.number) or x.dtype == bool):
             return [lax.reshape(lax.slice(x, (0,) * x.ndim, (1,) * x.ndim), ())]
@@ -313,10 +272,8 @@ def report_step(
     if found is None:
         return
     done = jnp.asarray(start + size, jnp.int32)
-    operands = [done]
-    if found.scale > 1:
-        operands.append(lax.axis_index(_context.get().axis_names))
-    operands += _dependency(outputs)
+    index = [lax.axis_index(_context.get().axis_names)] if found.scale > 1 else []
+    operands = [done, *index, *_dependency(outputs)]
 
     def _report() -> None:
         progress_p.bind(*operands, callback=found)

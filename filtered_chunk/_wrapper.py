@@ -2,26 +2,13 @@
 
 Every builder (`filter_chunked_vmap`, `filter_chunked_apply`, the Jacobians) returns
 a [`Chunked`][] module holding `fun`, the transform's *plan* and the
-[`ChunkOptions`][] every transform shares. A call is, for all of them:
-
-1. `plan.bind`: the call's arguments bound once (with their axes, the batch size
-   and, for a map, the mesh axes the batch is split over);
-2. the budget, if `chunk_size` is one, resolved to an integer (`_budget/_search.py`,
-   which caches the choice on the traced program);
-3. the progress meter's error context, if the call reports;
-4. the eager path: outside `jit`, a chunked call runs as one compiled program
-   (`_eager.py`); traced, it runs inline;
-5. `plan.evaluate`, which builds its chunk function and hands it to
-   [`run_batch`][]: after the one collective analysis (`_staged/_analysis.py`), per
-   device if the batch is sharded (`_sharding.py`), then one `vmap`, the loop
-   (`_loop/`) or, for collectives across chunks, the staged loops
-   (`_staged/`); the plan finishes the outputs.
-
-A transform contributes only what differs: how its arguments bind, its chunk
-function, how its outputs are finished (see `docs/internals.md`).
+[`ChunkOptions`][] every transform shares. `Chunked.__call__` is the one call path
+(`docs/internals.md` walks through it): a transform contributes only what differs,
+how its arguments bind, its chunk function and how its outputs are finished.
 """
 
 import abc
+import contextlib
 import dataclasses
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
@@ -29,13 +16,7 @@ from typing import Any, ClassVar, NamedTuple
 import equinox as eqx
 from jaxtyping import PyTree
 
-from ._axes import (
-    batch_size_of,
-    bind_arguments,
-    check_spec,
-    normalise_in_axes,
-    resolve_axes,
-)
+from ._axes import batch_size_of, bind_arguments, check_spec, normalise_in_axes
 from ._boundary import api_boundary
 from ._budget import (
     choose_chunk_size,
@@ -44,25 +25,14 @@ from ._budget import (
     MemoryBudget,
     normalise_chunk_size,
 )
-from ._custom_types import (
-    CheckpointSpec,
-    REMAINDERS,
-    SpmdAxisName,
-)
+from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
-from ._sharding import (
-    BatchSharding,
-    check_spmd_axis_name,
-    find_batch_sharding,
-)
+from ._sharding import BatchSharding, check_spmd_axis_name, find_batch_sharding
 
 
-# What a transform holds: a fixed chunk size, none, or a budget to choose one.
-ChunkSize = int | MemoryBudget | None
-# The function a transform wraps.
-Fun = Callable[..., Any]
+Fun = Callable[..., Any]  # the function a transform wraps
 
 
 class ChunkOptions(eqx.Module):
@@ -70,7 +40,7 @@ class ChunkOptions(eqx.Module):
     `spmd_axis_name` only `filter_chunked_vmap`), checked once by [`wrap`][]."""
 
     api: str
-    chunk_size: Any  # as given; a `ChunkSize` once checked by `wrap`
+    chunk_size: Any  # as given; `int | MemoryBudget | None` once checked by `wrap`
     remainder: str
     checkpoint: CheckpointSpec
     progress_meter: AbstractProgressMeter | None = None
@@ -134,8 +104,7 @@ class Chunked(eqx.Module):
         return chunk_size if isinstance(chunk_size, MemoryBudget) else None
 
     def choose(self, args: Any, kwargs: Any) -> ChunkSizeChoice | None:
-        """The chunk size the budget allows for these arguments (`None` when
-        there is nothing to split)."""
+        """The budget's chunk size for these arguments (`None`: nothing to split)."""
         return self._choose(self._plan.bind(self._fun, self._options, args, kwargs))
 
     def _choose(self, bound: Bound) -> ChunkSizeChoice | None:
@@ -164,15 +133,13 @@ class Chunked(eqx.Module):
     @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         bound = self._plan.bind(self._fun, self._options, args, kwargs)
-        if self.budget is None:
-            chunk_size = self._options.chunk_size
-        else:
+        chunk_size = self._options.chunk_size
+        if self.budget is not None:
             choice = self._choose(bound)
             chunk_size = None if choice is None else choice.chunk_size
-        if is_reporting(self._options.progress_meter):
-            with closing_on_error():  # a failed call closes its meter
-                return self._dispatch(bound, chunk_size)
-        return self._dispatch(bound, chunk_size)
+        reporting = is_reporting(self._options.progress_meter)
+        with closing_on_error() if reporting else contextlib.nullcontext():
+            return self._dispatch(bound, chunk_size)
 
     def _dispatch(self, bound: Bound, chunk_size: int | None) -> Any:
         if self._plan.chunked(bound, chunk_size) and not is_traced((self, bound.tree)):
@@ -190,14 +157,10 @@ class Chunked(eqx.Module):
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
-        if instance is None:
-            return self
-        return eqx.Partial(self, instance)
+        return self if instance is None else eqx.Partial(self, instance)
 
 
-def wrap(
-    fun: Callable[..., Any], plan: AbstractPlan, options: ChunkOptions
-) -> Callable[..., Any]:
+def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> Callable[..., Any]:
     """Checks the arguments, once, and wraps `fun` in a [`Chunked`][]."""
     chunk_size = normalise_chunk_size(options.chunk_size, options.api)
     if options.remainder not in REMAINDERS:
@@ -233,14 +196,10 @@ class AbstractMappedPlan(AbstractPlan):
 
     def bind(self, fun: Fun, options: ChunkOptions, args: Any, kwargs: Any) -> Bound:
         """The call's arguments as one tree `(args, kwargs)`, bound to `fun`'s
-        signature; each leaf's resolved axis; the batch size (`None` if nothing is
-        mapped); the mesh axes the batch is split over."""
+        signature, with their axes, batch size and sharding."""
         api = options.api
-        args, kwargs, spec = bind_arguments(
-            fun, self.in_axes, args, kwargs, eqx.if_array(0), api
-        )
-        tree = (args, kwargs)
-        axes = normalise_in_axes(tree, resolve_axes(tree, spec, "in_axes"), "in_axes")
+        tree, spec = bind_arguments(fun, self.in_axes, args, kwargs, api)
+        axes = normalise_in_axes(tree, spec)
         batch_size = batch_size_of(tree, axes, self.axis_size, api)
         sharding = None
         if self.sharded and batch_size is not None:
