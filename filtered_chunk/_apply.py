@@ -1,8 +1,7 @@
 """`filter_chunked_apply`: call an already vectorised function on chunks of a batch."""
 
 import functools as ft
-from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, overload, Unpack
 
 import equinox as eqx
 import jax
@@ -22,27 +21,20 @@ from ._axes import (
     varying_unmapped,
 )
 from ._batch import Batch, run_batch
-from ._boundary import deferred, keyword_only
+from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
     CheckpointSpec,
+    ChunkFn,
     ChunkOutput,
     is_none,
     keep_untraced,
-    Remainder,
     sentinel,
     unwrap_kept,
 )
 from ._progress import AbstractProgressMeter
 from ._structs import struct
-from ._wrapper import (
-    AbstractMappedPlan,
-    Bound,
-    ChunkOptions,
-    ChunkSizeSpec,
-    Fun,
-    wrap,
-)
+from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, Fun, wrap
 
 
 _API = "filter_chunked_apply"
@@ -77,15 +69,12 @@ def _out_axes(
     return jtu.tree_map_with_path(_check, axes, out, is_leaf=is_none)
 
 
-def _chunk_fn(
-    fun: Callable[..., Any],
-    out_axes: PyTree[AxisSpec],
-    static: Any,
-    mapped: Any,
-    size: int,
+def _chunk(
+    out_axes: PyTree[AxisSpec], closed: Any, mapped: Any, size: int
 ) -> ChunkOutput:
-    """`fun` on one chunk (the mapped leaves `mapped`), its output split into
-    batched arrays, unbatched arrays and the rest."""
+    """`fun` on one chunk (`closed` is `fun` and the unmapped leaves, `mapped` the
+    chunk's), its output split into batched arrays, unbatched arrays and the rest."""
+    fun, static = closed
     _args, _kwargs = eqx.combine(mapped, static)
     out = fun(*_args, **_kwargs)
     axes = _out_axes(out, out_axes, size)
@@ -123,11 +112,9 @@ _VALUES = (np.ndarray, np.generic, jax.Array, bool, int, float, complex, str, by
 
 
 def _same_value(x: Any, y: Any) -> bool:
-    """Whether two traces' constants (or static outputs) are the same value.
-
-    Only values that compare by value are compared: two new objects without
-    `__eq__` would differ though nothing depends on the chunk's size.
-    """
+    """Whether two traces' constants (or static outputs) are the same value: only
+    values that compare by value are compared (two new objects without `__eq__`
+    would differ though nothing depends on the chunk's size)."""
     if x is y or isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
         return True  # an outer tracer: the same one, or unknowable
     if not isinstance(x, _VALUES) or not isinstance(y, _VALUES):
@@ -136,20 +123,14 @@ def _same_value(x: Any, y: Any) -> bool:
 
 
 def _check_contract(
-    chunk_fn: Callable[[Any, int], ChunkOutput],
-    mapped: Any,
-    in_axes: Any,
-    chunk_size: int,
+    out_axes: PyTree[AxisSpec], in_axes: Any, closed: Any, mapped: Any, chunk_size: int
 ) -> None:
-    """Raises if `fun` breaks its contract, which chunking cannot see otherwise.
-
-    `fun` is traced (abstractly) on chunks of two sizes. At each, every batched
-    output must hold the chunk's elements along its out axis (`_out_axes` checks
-    it: `x.T` has the chunk along axis 0 for a square chunk only), and each output
-    marked `None` must be computed in the same way from the same constants: one
-    that reads the chunk's size (`x.shape[0]`) would differ from the unchunked
-    result.
-    """
+    """Raises if `fun`, traced (abstractly) on chunks of two sizes, breaks its
+    contract, which chunking cannot see otherwise: each batched output must hold
+    the chunk along its out axis at both (`x.T` does for a square chunk only), and
+    each output marked `None` be computed alike from the same constants (one that
+    reads `x.shape[0]` would differ from the unchunked result)."""
+    chunk_fn = ft.partial(_chunk, out_axes, closed)
     traces = []
     for size in (chunk_size, chunk_size + 1):
 
@@ -162,9 +143,9 @@ def _check_contract(
         structs = jtu.tree_map(
             lambda axis, x: struct(x, axis, size, weak=False), in_axes, mapped
         )
-        closed = jax.make_jaxpr(_unbatched)(structs)
+        traced = jax.make_jaxpr(_unbatched)(structs)
         paths, static = traces.pop()
-        programs = [_program(closed, i) for i in range(len(paths))]
+        programs = [_program(traced, i) for i in range(len(paths))]
         traces.append((paths, programs, unwrap_kept(static)))
     (paths, programs, static), (paths2, programs2, static2) = traces
     different = [
@@ -193,16 +174,11 @@ def _check_contract(
 
 
 def _check_unbatched(
-    chunk_fn: Callable[[Any, int], ChunkOutput],
-    mapped: Any,
-    in_axes: Any,
-    chunk_size: int,
+    chunk_fn: ChunkFn, mapped: Any, in_axes: Any, chunk_size: int
 ) -> None:
-    """Raises if an output with `out_axes=None` depends on the mapped inputs.
-
-    Chunking would return the last chunk's value of such an output. `jax.vmap` over
-    a new axis of size one tells (abstractly) whether it depends on them.
-    """
+    """Raises if an output with `out_axes=None` depends on the mapped inputs (of
+    which chunking would return the last chunk's value), as `jax.vmap` over a new
+    axis of size one tells (abstractly)."""
     paths: list[str] = []
 
     def _unbatched(_mapped: Any) -> list[Any]:
@@ -237,57 +213,26 @@ class _ApplyPlan(AbstractMappedPlan):
         is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
         static, mapped = eqx.partition(bound.tree, is_unmapped)
         chunk = ft.partial(_chunk, self.out_axes)
-        check = ft.partial(_check, chunk, bound.in_axes)
+        check = ft.partial(_check_contract, self.out_axes, bound.in_axes)
         closed, size = (fun, static), bound.batch_size
         batch = Batch(chunk, closed, mapped, bound.in_axes, size, check=check)
         out = run_batch(batch, chunk_size, options)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
 
-def _chunk(out_axes: Any, closed: Any, mapped: Any, size: int) -> ChunkOutput:
-    fun, static = closed
-    return _chunk_fn(fun, out_axes, static, mapped, size)
-
-
-def _check(
-    chunk: Callable[..., ChunkOutput],
-    in_axes: Any,
-    closed: Any,
-    mapped: Any,
-    chunk_size: int,
-) -> None:
-    _check_contract(ft.partial(chunk, closed), mapped, in_axes, chunk_size)
+class _ApplyOptions(BuilderOptions, total=False):
+    in_axes: PyTree[AxisSpec]
+    out_axes: PyTree[AxisSpec]
 
 
 @overload
-def filter_chunked_apply(
-    *,
-    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: ChunkSizeSpec = None,
-    remainder: Remainder = "overlap",
-    checkpoint: CheckpointSpec = True,
-    progress_meter: AbstractProgressMeter | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
-
-
+def filter_chunked_apply(**options: Unpack[_ApplyOptions]) -> Decorator: ...
 @overload
-def filter_chunked_apply(
-    fun: Callable[..., Any],
-    *,
-    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: ChunkSizeSpec = None,
-    remainder: Remainder = "overlap",
-    checkpoint: CheckpointSpec = True,
-    progress_meter: AbstractProgressMeter | None = None,
-) -> Callable[..., Any]: ...
-
-
+def filter_chunked_apply(fun: Fun, **options: Unpack[_ApplyOptions]) -> Fun: ...
 @keyword_only("filter_chunked_apply", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_apply(
-    fun: Callable[..., Any] = sentinel,
+    fun: Fun = sentinel,
     *,
     in_axes: PyTree[Any] = eqx.if_array(0),
     out_axes: PyTree[Any] = eqx.if_array(0),
@@ -295,7 +240,7 @@ def filter_chunked_apply(
     remainder: str = "overlap",
     checkpoint: CheckpointSpec = True,
     progress_meter: AbstractProgressMeter | None = None,
-) -> Callable[..., Any]:
+) -> Fun:
     """Calls `fun`, a function already vectorised over a batch, on `chunk_size`
     elements of the batch at a time, to bound peak memory.
 

@@ -1,39 +1,36 @@
 """Running chunked calls outside `jit` without recompiling on every call.
 
 An eager `lax.scan` compiles its body on every call (its jaxpr is new each time, and
-JAX caches compilations by jaxpr identity). Wrapping the call in `jax.jit` would cache
-on the identity of the Python function instead, and so silently reuse whatever
-values `fun` read from its closure or from globals on the first call. Here the call
-is traced afresh every time (cheap), and the *compiled program* is cached on what
-was traced: the jaxpr's text, its constants' types, and what the text does not
-show (see `_key`):
+JAX caches compilations by jaxpr identity). `jax.jit` would cache on the identity of
+the Python function instead, and so silently reuse whatever values `fun` read from
+its closure or from globals on the first call. Here the call is traced afresh every
+time (cheap), and the *compiled program* is cached on what was traced: the jaxpr's
+text, its constants' types, and what the text does not show (`program_key`):
 
 - callables in equation parameters (callbacks): a function by its code, globals
-  and what it closes over (recursively, immutable builtin values by value and
-  anything else, mutable lists and arrays included, by identity), so that the new
-  lambda or JAX wrapper each trace makes still hits, while one closing over a new
-  value or object misses;
+  and what it closes over (recursively: immutable builtin values by value, anything
+  else, mutable lists and arrays included, by identity), so that the new lambda or
+  JAX wrapper each trace makes still hits, while one closing over a new value or
+  object misses;
 - constants of inner programs (an inner `jit` closing over an array): a
   `jax.Array` by identity, a (mutable) NumPy array by value;
 - not the derivative rules of `custom_vjp`/`custom_jvp` calls: a cached program is
   only evaluated, never differentiated, so only their primal runs.
 
-Objects compared by identity are held by the key, so their `id` is never reused
-while it is cached; no user-defined `__eq__` is ever called. Constants (arrays
-`fun` closes over) are passed as arguments, so new values are used without
-recompiling.
+The key holds what it compares by identity, so no `id` is reused while cached; no
+user-defined `__eq__` is ever called. Constants (arrays `fun` closes over) are
+passed as arguments, so new values need no recompilation.
 
 `jax.grad` of an eager chunked call cannot use this cache: its inputs are tracers,
-so the loop runs op by op and JAX compiles the scan (whose jaxpr is new on every
-call) each time, as it does for any eager `lax.scan` under `jax.grad`. Wrap the
-gradient in `jax.jit` (or `eqx.filter_jit`) to compile it once.
+so the loop runs op by op and JAX compiles the scan (a new jaxpr on every call)
+each time, as for any eager `lax.scan` under `jax.grad`. Wrap the gradient in
+`jax.jit` (or `eqx.filter_jit`) to compile it once.
 
 Outputs that the trace did not compute (a NumPy value `fun` returns with
-`out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does:
-only traced outputs go through the compiled program. Each cached program is a
-`jax.jit` of its own, freed when the cache drops it, so that a loop making a new
-program per call (a Python scalar that changes) holds at most the cache's
-programs; `eqx.error_if` raises `eqx.EquinoxRuntimeError` as it does under
+`out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does.
+Each cached program is a `jax.jit` of its own, freed when the cache drops it, so a
+loop making a new program per call (a Python scalar that changes) holds at most the
+cache's programs; `eqx.error_if` raises `eqx.EquinoxRuntimeError` as under
 `eqx.filter_jit`.
 """
 
@@ -57,9 +54,7 @@ from ._jax_compat import equinox_runtime_message, quiet_callback_errors
 
 
 _MAX_PROGRAMS = 64
-_programs: collections.OrderedDict[Hashable, Callable[..., Any]] = (
-    collections.OrderedDict()
-)
+_programs = collections.OrderedDict[Hashable, Callable[..., Any]]()
 
 
 def is_traced(tree: PyTree[Any]) -> bool:
@@ -68,8 +63,7 @@ def is_traced(tree: PyTree[Any]) -> bool:
 
 
 class _Same:
-    """An object in a cache key, compared by identity. It holds a reference, so
-    the object's `id` cannot be reused while the key exists."""
+    """An object in a cache key, compared by identity (and held: see above)."""
 
     __slots__ = ("obj",)
 
@@ -83,10 +77,9 @@ class _Same:
         return isinstance(other, _Same) and other.obj is self.obj
 
 
-# Parameters that only differentiation reads. A cached program is only ever
-# evaluated (an eager call has no tracers), so only `call_jaxpr` runs: the rules
-# (new closures on every trace, such as those `eqx.internal.while_loop` makes) may
-# differ between traces without changing the program.
+# Parameters that only differentiation reads: the rules, new closures on every
+# trace (such as those `eqx.internal.while_loop` makes), which a cached program
+# (only evaluated: an eager call has no tracers) never runs.
 _DIFFERENTIATION_ONLY = {
     "custom_vjp_call": ("fwd_jaxpr_thunk", "bwd", "out_trees"),
     "custom_jvp_call": ("jvp_jaxpr_fun", "jvp_jaxpr_thunk"),
@@ -98,13 +91,10 @@ _EXACT = (type(None), bool, int, str, bytes)
 def _value_key(x: Any, depth: int = 0, trusted: bool = False) -> Hashable:
     """A key equal for two values only if they behave the same in a program.
 
-    Functions (a new lambda on every trace, the closures JAX wraps callbacks in)
-    are keyed on their code and what they close over; immutable builtin values
-    on their value; anything else on its identity, so that a user-defined
-    `__eq__` is never trusted. A callback runs the *cached* program's function,
-    so a mutable object it closes over (a list it appends to, a NumPy buffer) must
-    be the very same object: by identity, except in the `trusted` closures JAX
-    itself makes, whose containers it never changes.
+    A callback runs the *cached* program's function, so a mutable object it
+    closes over (a list it appends to, a NumPy buffer) must be the very same
+    object: keyed by identity, except in the `trusted` closures JAX itself makes,
+    whose containers it never changes.
     """
     if depth > _MAX_DEPTH:
         return _Same(x)
@@ -152,21 +142,17 @@ def _cell_key(cell: Any, depth: int, trusted: bool) -> Hashable:
 
 
 def _const_key(x: Any) -> Hashable:
-    """An inner program's constant (an inner `jit` closing over an array) is part
-    of the compiled program: a `jax.Array` is immutable, so its identity tells."""
+    """An inner program's constant, part of the compiled program: a `jax.Array`
+    is immutable, so its identity tells; a NumPy one is copied in, by value."""
     if isinstance(x, np.ndarray | np.generic):
-        # Copied into the compiled program: its value now is what runs.
         return (np.ndarray, x.dtype, x.shape, x.tobytes())
     return _Same(x)
 
 
 def program_key(jaxpr: Any, *, evaluated_only: bool) -> Iterator[Hashable]:
     """What identifies `jaxpr` as a program beyond its text, which masks callables
-    (callbacks' addresses) and the values of inner programs' constants.
-
-    With `evaluated_only`, what only differentiation reads (custom derivative
-    rules) is left out: the program will only be evaluated.
-    """
+    (callbacks' addresses) and the values of inner programs' constants; with
+    `evaluated_only`, less what only differentiation reads."""
     for eqn in jaxpr.eqns:
         skip = _DIFFERENTIATION_ONLY.get(eqn.primitive.name, ())
         skip = skip if evaluated_only else ()
@@ -181,18 +167,11 @@ def program_key(jaxpr: Any, *, evaluated_only: bool) -> Iterator[Hashable]:
             yield from program_key(sub, evaluated_only=evaluated_only)
 
 
-def _evaluate(jaxpr: Any, consts: list[Any], args: list[Any]) -> list[Any]:
-    return jax.core.eval_jaxpr(jaxpr, consts, *args)
-
-
 def _trace(
     fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]
 ) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
-    """Traces `fn(tree)` with `tree`'s arrays abstract.
-
-    Returns the jaxpr, the arrays it takes, and a function that builds `fn`'s
-    output from the jaxpr's outputs and the leaves the trace did not compute.
-    """
+    """Traces `fn(tree)` with `tree`'s arrays abstract: the jaxpr, the arrays it
+    takes, and how to build `fn`'s output from the jaxpr's outputs."""
     dynamic, static = eqx.partition(tree, eqx.is_array)
     leaves, treedef = jtu.tree_flatten(dynamic)
     found: list[Any] = []
@@ -230,11 +209,10 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
         return fn(tree)  # no reliable key (an unhashable value): run op by op
     compiled = _programs.pop(key, None)
     if compiled is None:
-        # A `jax.jit` of its own: JAX keeps the executable as long as the jitted
-        # function lives, so evicting the entry frees it. (Every `eqx.filter_jit`
-        # of a non-function shares one `jax.jit`, whose cache holds each program
-        # it ran, about 1.8 MB each, far beyond this cache: benchmarks/eager.py.)
-        compiled = jax.jit(ft.partial(_evaluate, closed.jaxpr))
+        # Its own `jax.jit`, whose executable lives as long as it does. (Every
+        # `eqx.filter_jit` of a non-function shares one `jax.jit`, whose cache holds
+        # each program it ran, about 1.8 MB each, unbounded: benchmarks/eager.py.)
+        compiled = jax.jit(ft.partial(jax.core.eval_jaxpr, closed.jaxpr))
     _programs[key] = compiled
     while len(_programs) > _MAX_PROGRAMS:
         _programs.popitem(last=False)
@@ -246,7 +224,7 @@ def _run(compiled: Callable[..., Any], consts: list[Any], leaves: list[Any]) -> 
     `eqx.filter_jit` does: an `eqx.EquinoxRuntimeError` with the message."""
     with quiet_callback_errors():
         try:
-            return jax.block_until_ready(compiled(consts, leaves))
+            return jax.block_until_ready(compiled(consts, *leaves))
         except (JaxRuntimeError, ValueError) as e:
             message = equinox_runtime_message(e)
             if message is None:

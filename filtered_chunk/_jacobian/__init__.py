@@ -1,9 +1,9 @@
-"""Chunked Jacobians: `jax.jacrev`/`jax.jacfwd` (`_jax.py`) and Equinox's filtered
-forms (`_filter.py`), each a plan of the one call path (`_plans.py`) whose chunk
-function pushes or pulls a chunk of basis vectors (`_basis.py`)."""
+"""Chunked Jacobians: JAX's and Equinox's builders (`_builders.py`), each a plan of
+the one call path whose chunk pushes or pulls basis vectors (`_plans.py`)."""
 
-from ._filter import (
+from ._builders import (
+    chunked_jacfwd as chunked_jacfwd,
+    chunked_jacrev as chunked_jacrev,
     filter_chunked_jacfwd as filter_chunked_jacfwd,
     filter_chunked_jacrev as filter_chunked_jacrev,
 )
-from ._jax import chunked_jacfwd as chunked_jacfwd, chunked_jacrev as chunked_jacrev
