@@ -1,5 +1,4 @@
-"""`suggest_chunk_size`: the chunk size a transform with a memory budget would
-choose, without running it."""
+"""`suggest_chunk_size`: the chunk size a budgeted transform would choose."""
 
 from collections.abc import Callable
 from typing import Any
@@ -26,19 +25,18 @@ def suggest_chunk_size(
         `chunked_jacrev`, `chunked_jacfwd`, `filter_chunked_jacrev` or
         `filter_chunked_jacfwd`.
     - `*args`, `**kwargs`: what `fun` would be called with. Arrays may be given as
-        `jax.ShapeDtypeStruct`s: only their shapes and dtypes are used. (Give
-        the arrays themselves for a batch split over devices: their sharding
-        makes the budget and `chunk_size` per device.)
+        `jax.ShapeDtypeStruct`s: only their shapes and dtypes are used. (Give the
+        arrays themselves for a batch split over devices: their sharding makes the
+        budget and `chunk_size` per device.)
 
     **Returns:**
 
     A [`filtered_chunk.ChunkSizeChoice`][]: the chosen `chunk_size`, its measured
-    `bytes`, the `budget` in bytes, the `(chunk_size, bytes)` pairs `tried`, and
-    why that size: the `largest` that fits, and the speed `model` that chose
-    among the sizes that fit with its figures (`element_bytes`, `cache_bytes`,
+    `bytes`, the `budget` in bytes, the `(chunk_size, bytes)` pairs `tried`, and why
+    that size: the `largest` that fits, and the speed `model` that chose among the
+    sizes that fit, with its figures (`element_bytes`, `cache_bytes`,
     `working_set`). The search is the one a call makes (for the program without
-    differentiation), and shares its cache: the call compiles nothing more to
-    choose.
+    differentiation) and shares its cache: the call compiles nothing more to choose.
 
     !!! example
 
@@ -69,10 +67,7 @@ def suggest_chunk_size(
             f"{fun!r}."
         )
     found: list[ChunkSizeChoice | None] = []
-
-    def _choose(_args: Any, _kwargs: Any) -> None:
-        found.append(fun.choose(_args, _kwargs))
-
+    _choose = lambda *_args: found.append(fun.choose(*_args))  # noqa: E731
     is_struct = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
     if any(map(is_struct, jtu.tree_leaves((args, kwargs)))):
         eqx.filter_eval_shape(_choose, args, kwargs)

@@ -1,20 +1,7 @@
-"""Memory budgets: a `chunk_size` given as bytes (`"auto"`, `MemoryBudget`) turned
-into a chunk size, by compiling the call at a few sizes.
-
-The rest of the package uses what is re-exported here: the budget values and what a
-search reports (`MemoryBudget`, `ChunkSizeChoice`, `ChunkSizeSpec`,
-`normalise_chunk_size`, from `_values.py`) and the search (`choose_chunk_size`,
-`_search.py`). Behind them:
-
-- `_program.py`: the program a budget measures, the chunked call as the
-  transformations around it (`grad`, `jvp`, `vmap`) will run it;
-- `_model.py`: the speed model, which may cap the chunk size on CPU to stay in cache;
-- `_timing.py`: timing the sizes that fit, for `MemoryBudget(..., tune=True)`;
-- `_free_memory.py`: how much memory the device has free, for `"auto"` and
-  fractional budgets.
-
-`suggest_chunk_size` is a front end over a built transform, so it lives beside the
-transforms, in `filtered_chunk/_suggest.py`.
+"""Memory budgets (`_values.py`) turned into a chunk size (`_search.py`) by compiling
+the call as the transformations around it run it (`_program.py`), then choosing by
+the speed model (`_model.py`) or by timing (`_timing.py`); `_free_memory.py` reads
+the free memory. `suggest_chunk_size` lives beside the transforms (`_suggest.py`).
 """
 
 from ._search import choose_chunk_size as choose_chunk_size

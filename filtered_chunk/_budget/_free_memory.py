@@ -1,15 +1,9 @@
-"""How much memory a device has free, for `"auto"` and fractional budgets.
-
-On an accelerator JAX reports it (`memory_stats()`). On CPU the system's
-`MemAvailable` (`/proc/meminfo`) is the host's, even inside a container (Docker,
-Kubernetes, Slurm with cgroups), whose own limit is usually far smaller and
-whose processes are killed when they pass it. So the container's memory cgroup
-counts too: its limit minus its use, for the process's own group (from
-`/proc/self/cgroup`, located through the cgroup mounts of `/proc/self/mountinfo`)
-and every group above it, in cgroup v2 (`memory.max`, `memory.current`) and v1
-(`memory.limit_in_bytes`, `memory.usage_in_bytes`). The page cache that the
-kernel would reclaim first (`inactive_file`) is not counted as used, as
-container runtimes do not. The free memory is the smallest of these figures.
+"""How much memory a device has free, for `"auto"` and fractional budgets: what JAX
+reports on an accelerator (`memory_stats()`). On CPU `MemAvailable` is the host's
+even inside a container (Docker, Kubernetes, Slurm), whose own limit is usually far
+smaller and kills its processes past it; so the memory cgroups (v2 and v1, the
+process's and every one above it) count too: limit minus use, not counting the page
+cache the kernel reclaims first (`inactive_file`), as container runtimes do not.
 """
 
 import os
@@ -22,47 +16,42 @@ import jax
 _NO_LIMIT = 2**62
 
 
-def _read(path: str) -> str | None:
+def _read(path: str) -> str:
     try:
         with open(path) as f:
             return f.read()
     except OSError:
-        return None
+        return ""
 
 
-def _meminfo(root: str) -> int | None:
-    text = _read(os.path.join(root, "proc/meminfo")) or ""
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
+def _field(path: str, name: str) -> int | None:
+    """The number after `name` on a line of `path` (`meminfo`, `memory.stat`)."""
+    for line in _read(path).splitlines():
+        fields = line.split()
+        if len(fields) > 1 and fields[0] == name and fields[1].isdigit():
+            return int(fields[1])
     return None
 
 
 def _mounts(root: str) -> dict[str, tuple[str, str]]:
-    """The memory cgroup mounts, `{"v2" or "v1": (root in the hierarchy, mount
-    point)}`, from `/proc/self/mountinfo` (see `man 5 proc`)."""
+    """The memory cgroup mounts, `{"v2" or "v1": (root in hierarchy, mount point)}`."""
     found: dict[str, tuple[str, str]] = {}
-    text = _read(os.path.join(root, "proc/self/mountinfo")) or ""
-    for line in text.splitlines():
+    for line in _read(os.path.join(root, "proc/self/mountinfo")).splitlines():
         fields = line.split()
-        if "-" not in fields:
+        sep = fields.index("-") if "-" in fields else 0
+        if sep < 5 or len(fields) < sep + 4:
             continue
-        sep = fields.index("-")
-        if len(fields) < sep + 4 or sep < 5:
-            continue
-        fstype, options = fields[sep + 1], fields[sep + 3].split(",")
-        if fstype == "cgroup2":
-            found.setdefault("v2", (fields[3], fields[4]))
-        elif fstype == "cgroup" and "memory" in options:
-            found.setdefault("v1", (fields[3], fields[4]))
+        version = {"cgroup2": "v2", "cgroup": "v1"}.get(fields[sep + 1])
+        options = fields[sep + 3].split(",")
+        if version == "v2" or (version == "v1" and "memory" in options):
+            found.setdefault(version, (fields[3], fields[4]))
     return found
 
 
 def _groups(root: str) -> dict[str, str]:
     """The process's memory cgroups, `{"v2" or "v1": path in the hierarchy}`."""
     found: dict[str, str] = {}
-    text = _read(os.path.join(root, "proc/self/cgroup")) or ""
-    for line in text.splitlines():
+    for line in _read(os.path.join(root, "proc/self/cgroup")).splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -73,18 +62,8 @@ def _groups(root: str) -> dict[str, str]:
     return found
 
 
-def _number(text: str | None) -> int | None:
-    text = None if text is None else text.strip()
-    return int(text) if text and text.isdigit() else None
-
-
-def _inactive_file(directory: str, key: str) -> int:
-    text = _read(os.path.join(directory, "memory.stat")) or ""
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key and value.strip().isdigit():
-            return int(value)
-    return 0
+def _number(text: str) -> int | None:
+    return int(text) if text.strip().isdigit() else None
 
 
 _FILES = {
@@ -94,19 +73,16 @@ _FILES = {
 
 
 def _cgroup_free(root: str) -> int | None:
-    """The least that a memory cgroup of this process, or one above it, has left
-    (`None` if no group has a limit)."""
+    """The least that a memory cgroup of this process, or one above it, has left."""
     mounts, groups = _mounts(root), _groups(root)
     if not mounts:  # no mountinfo: the usual mount points
         mounts = {"v2": ("/", "/sys/fs/cgroup"), "v1": ("/", "/sys/fs/cgroup/memory")}
     free: list[int] = []
     for version, (mount_root, mount_point) in mounts.items():
-        group = groups.get(version)
-        if group is None:
+        if version not in groups:
             continue
-        relative = os.path.relpath(group, mount_root)
-        # A group outside the mount (a container seeing the host's path): the
-        # mount is then the container's own group.
+        relative = os.path.relpath(groups[version], mount_root)
+        # A group outside the mount (a container seeing the host's path) is the mount.
         parts = [] if relative.startswith("..") else relative.split(os.sep)
         parts = [p for p in parts if p not in ("", ".")]
         limit_file, usage_file, inactive = _FILES[version]
@@ -116,25 +92,25 @@ def _cgroup_free(root: str) -> int | None:
             usage = _number(_read(os.path.join(directory, usage_file)))
             if limit is None or usage is None or limit >= _NO_LIMIT:
                 continue  # "max", missing, or v1's "no limit"
-            used = max(usage - _inactive_file(directory, inactive), 0)
+            inactive_bytes = _field(os.path.join(directory, "memory.stat"), inactive)
+            used = max(usage - (inactive_bytes or 0), 0)
             free.append(max(limit - used, 0))
     return min(free) if free else None
 
 
 def system_available_bytes(root: str = "/") -> int:
-    """The memory the system has available to this process: the smallest of
-    `MemAvailable` and what its memory cgroups have left. `root` is where the
-    `/proc` and `/sys` trees are read from (tests give a directory of fakes)."""
-    figures = [x for x in (_meminfo(root), _cgroup_free(root)) if x is not None]
-    if figures:
-        return min(figures)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    """The least of `MemAvailable` and what this process's memory cgroups have left,
+    reading `/proc` and `/sys` under `root` (tests give a directory of fakes)."""
+    meminfo = _field(os.path.join(root, "proc/meminfo"), "MemAvailable:")
+    meminfo = None if meminfo is None else meminfo * 1024  # kB
+    figures = [x for x in (meminfo, _cgroup_free(root)) if x is not None]
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(figures, default=pages)
 
 
 def available_bytes(device: Any = None) -> int:
-    """The memory `device` (the default device) has free: `bytes_limit -
-    bytes_in_use` where JAX reports them (accelerators), else what the system
-    has available to this process (`system_available_bytes`)."""
+    """The memory `device` (the default device) has free: `bytes_limit - bytes_in_use`
+    where JAX reports them (accelerators), else `system_available_bytes()`."""
     device = device or jax.local_devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:

@@ -1,15 +1,10 @@
-"""Which of the chunk sizes that fit a budget to run: a model of their speed.
-
-On CPU a chunk whose working set stays in the core's cache runs faster than the
-whole batch in one `vmap` (`benchmarks/budget.py`), so the model caps the chunk
-size so that one chunk's working set, `element_bytes * chunk_size`, stays within
-`CACHE_FACTOR` times the core's level-2 cache, never below `MIN_CHUNK` elements,
-and keeps the largest size that fits when even one element overflows the cache
-(nothing stays in cache then, and larger chunks run fewer, larger operations).
-`element_bytes` comes from what the search measured: the slope of the bytes over
-the sizes that run two or more steps, or, when only the whole batch was
-measured, its bytes over its size (an upper bound). On other backends the model
-keeps the largest size that fits (unmeasured: no accelerator was at hand).
+"""The speed model: which of the chunk sizes that fit a budget to run. On CPU a
+chunk whose working set stays in the core's cache runs faster than the whole batch
+in one `vmap` (`benchmarks/budget.py`): the chunk size is capped to keep
+`element_bytes * chunk_size` within `CACHE_FACTOR` level-2 caches, at least
+`MIN_CHUNK`, unless one element overflows it (nothing stays in cache; larger chunks
+run fewer operations). Elsewhere the largest size that fits runs (unmeasured: no
+accelerator was at hand).
 """
 
 import functools as ft
@@ -19,12 +14,10 @@ from pathlib import Path
 import jax
 
 
-# One chunk's working set is capped at this many times the level-2 cache.
 CACHE_FACTOR = 2
 # Never fewer elements per chunk than this (unless the budget forces it): below,
 # the loop's per-step overhead outweighs what the cache saves.
 MIN_CHUNK = 8
-# The level-2 cache assumed where the system reports none.
 DEFAULT_CACHE_BYTES = 2**20
 _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
 
@@ -38,8 +31,7 @@ def _parse_size(text: str) -> int | None:
 
 @ft.cache
 def cache_bytes() -> int:
-    """The size of one core's level-2 cache (from sysfs, else `os.sysconf`, else
-    `DEFAULT_CACHE_BYTES`)."""
+    """One core's level-2 cache: from sysfs, else `os.sysconf`, else the default."""
     for index in sorted(_CACHE_DIR.glob("index*")):
         try:
             level = (index / "level").read_text().strip()
@@ -62,8 +54,7 @@ def backend() -> str:
 
 
 def cache_cap(element_bytes: int) -> int | None:
-    """The largest chunk size the model runs for this per-element working set, or
-    `None` for no cap (the largest size that fits)."""
+    """The largest chunk size to run (`None`: the largest that fits)."""
     if backend() != "cpu":
         return None
     target = CACHE_FACTOR * cache_bytes()

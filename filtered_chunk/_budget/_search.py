@@ -1,29 +1,14 @@
-"""Choosing the chunk size for a memory budget, by compiling the call.
-
-What a chunked call allocates beyond its arguments (XLA's temporary plus output
-bytes of the compiled program) is close to affine in the chunk size over a range
-of sizes whose schedule keeps its shape: the outputs are allocated at full batch
-size, and one chunk's working set grows linearly with it. Between such ranges it
-jumps: the whole batch is one `vmap`, and with `remainder="separate"` a size
-above half the batch runs one chunk and the remainder side by side (XLA unrolls
-a loop of one step). So the chunk size is searched by compiling the call on
-abstract shapes (`jax.jit(...).lower(...).compile().memory_analysis()`), never
-by running it, as the transformations around it run it (`_program.py`):
-the whole batch first (if it fits, nothing is chunked), then one element per
-chunk, then each range from the largest down: its ends, and if only its
-smallest size fits, sizes in between guessed by secant interpolation, each guess
-checked together with its neighbour (bisecting when the guesses keep missing on
-one side). One element per chunk need not be the smallest program (a
-collective's staged program, or XLA's schedule of a small derivative, can need
-more there than at a few elements, issue 23, item 7): where no range's ends
-fit, a few sizes across the smallest range are measured (`_probes`) before the
-budget is refused, and the refusal lists every size measured. That finds the
-largest size measured to fit whose next size up measurably does not; the speed model
-(`_model.py`) may then cap it at a smaller size, which runs only if it too
-is measured to fit, all within `MAX_COMPILATIONS` sizes. Measurements are cached
-on the traced program (as `_eager.py` keys compiled programs), choices on that
-and the machine the model reads, so a repeated call compiles nothing for the
-search.
+"""Choosing the chunk size for a memory budget, by compiling the call on abstract
+shapes (`memory_analysis()`, never running it) as the transformations around it run
+it (`_program.py`). The bytes are close to affine in the chunk size over each range
+of sizes whose schedule keeps its shape (`_segments`), the outputs being allocated
+at full batch size. So the whole batch is measured first, then one element per
+chunk, then each range's ends from the largest down, with guesses between where only
+its smallest size fits (`_secant`). One element per chunk need not be the smallest
+program (a collective's staged program, or XLA's schedule of a small derivative,
+can need more, issue 23, item 7): where no range's ends fit, sizes across the
+smallest range are measured (`_probes`) before the budget is refused. Measurements
+are cached on the traced program, choices also on the machine the model reads.
 """
 
 import math
@@ -34,15 +19,12 @@ from jaxtyping import PyTree
 
 from .._loop import Steps
 from . import _model, _timing
-from ._program import ChunkedProgram, has_reverse, linearisation, Measured
+from ._program import ChunkedProgram, linearisation, Measured
 from ._values import ChunkSizeChoice, format_bytes, MemoryBudget
 
 
-# A search measures at most this many sizes: the whole batch, one element, the
-# ends of each further segment of sizes (`_segments`), then pairs of guesses (or,
-# where no end fits, `_probes`), and one more for the speed model's size
-# (`_model.py`). Each size compiles one program; under a reverse-mode
-# transformation, two when the first fits (`choose_chunk_size`).
+# The sizes a search measures at most (the whole batch, one element, the segments'
+# ends, guesses or probes, the model's size); two programs each under reverse mode.
 MAX_COMPILATIONS = 12
 
 
@@ -52,9 +34,8 @@ _chosen: dict[Hashable, ChunkSizeChoice] = {}
 
 
 def _remember(cache: dict[Hashable, Any], key: Hashable | None, value: Any) -> None:
-    if key is None:
-        return
-    cache[key] = value
+    if key is not None:
+        cache[key] = value
     while len(cache) > _MAX_ENTRIES:
         del cache[next(iter(cache))]
 
@@ -93,11 +74,8 @@ def _too_small(
     n: int,
     reverse: bool = False,
 ) -> ValueError:
-    """The refusal of a budget that no size measured fits, of a batch of `n`:
-    below the outputs, which no chunk size changes; else what the smallest
-    program measured needs (the size needing the least need not be one element
-    per chunk), every size measured, and (`reverse`) what the measurement of a
-    backward pass assumes of the loss."""
+    """The refusal of a budget no size fits, for a batch of `n`: below the outputs,
+    or what the smallest program measured needs, with (`reverse`) the loss assumed."""
     k = min(tried, key=lambda s: (tried[s].total, s))
     smallest = tried[k]
     head = (
@@ -138,7 +116,6 @@ def _too_small(
     )
 
 
-# What the measurement of a backward pass assumes (`_program.py`).
 _ASSUMED = (
     " Under reverse mode each size is measured as the larger of two programs, "
     "since `jax.grad` and `jax.linearize` cannot be told apart when the call is "
@@ -152,10 +129,9 @@ _ASSUMED = (
 
 
 def _segments(sizes: _Sizes) -> list[tuple[int, int]]:
-    """The ranges of sizes `(smallest, largest)` over which the schedule keeps its
-    shape, largest first: the whole batch; with `remainder="separate"`, one whole
-    chunk and a remainder (XLA unrolls a loop of one step, so both are live at
-    once: the bytes jump above half the batch); two or more steps."""
+    """The ranges `(smallest, largest)` of sizes whose schedule keeps its shape,
+    largest first: the whole batch; with `"separate"` one chunk and a remainder (XLA
+    unrolls a loop of one step: both live at once); two or more steps."""
     n = sizes.n
     if n == 1:
         return [(1, 1)]
@@ -176,9 +152,7 @@ def _secant(
     bracket: tuple[int, int],
     spent: Callable[[], int],
 ) -> int:
-    """The largest size in `bracket = (lo, hi)` (`lo` fits, `hi` does not, both in
-    one segment) measured to fit whose next size up does not, or after
-    `MAX_COMPILATIONS` sizes the largest found to fit."""
+    """`_search` in `bracket = (lo, hi)` of one segment (`lo` fits, `hi` does not)."""
     lo, hi = bracket
     moved = ""
     while sizes.above(lo) < hi and spent() < MAX_COMPILATIONS:
@@ -196,20 +170,16 @@ def _secant(
         lo, hi, moved = (k, hi, moved + "l") if fits else (lo, k, moved + "h")
         neighbour = sizes.above(k) if fits else sizes.below(k)
         if not bisect and lo < neighbour < hi and spent() < MAX_COMPILATIONS:
-            if bytes_at(neighbour) <= limit:
-                lo = neighbour
-            else:
-                hi = neighbour
+            fits = bytes_at(neighbour) <= limit
+            lo, hi = (neighbour, hi) if fits else (lo, neighbour)
     return lo
 
 
 def _probes(sizes: _Sizes, bracket: tuple[int, int], count: int) -> list[int]:
-    """Up to `count` sizes strictly inside `bracket = (lo, hi)` to measure where
-    neither end fits, largest first. By priority: the size above `lo` (one
-    element can be the costly one), the largest size below `hi` that divides the
-    batch (no overlapping step or remainder: under a derivative it can need less
-    than its neighbours), then three sizes spaced geometrically across the
-    range, each with the largest divisor of the batch not above it."""
+    """Up to `count` sizes inside `(lo, hi)`, largest first: the size above `lo` (one
+    element can cost most), the batch's largest divisor below `hi` (no overlap or
+    remainder: under a derivative it can cost less), then three spaced geometrically,
+    each with a divisor below."""
     lo, hi = bracket
     small = [d for d in range(1, math.isqrt(sizes.n) + 1) if sizes.n % d == 0]
     divisors = sorted({*small, *(sizes.n // d for d in small)})
@@ -229,20 +199,17 @@ def _search(
     spent: Callable[[], int],
 ) -> int:
     """The largest size measured to fit `limit` whose next size up does not (or the
-    batch size, or after `MAX_COMPILATIONS` sizes the largest found to fit),
-    searching each segment of sizes (`_segments`) from the largest down."""
+    batch size, or the largest found within `MAX_COMPILATIONS` sizes)."""
     bytes_at = lambda k: measure(k).total  # noqa: E731
     segments = _segments(sizes)
     if bytes_at(sizes.n) <= limit:
         return sizes.n
-    # The outputs exist at full batch size whatever the chunk size: a budget
-    # below them is refused without compiling more.
+    # No chunk size shrinks the full-batch outputs: refuse without compiling more.
     if sizes.n == 1 or measure(sizes.n).output > limit:
         raise on_too_small()
     bytes_at(1)  # the slope of the speed model's working set (`_element_bytes`)
     for lo, hi in segments[1:]:
-        # Within a segment the bytes are close to affine in the size, so if
-        # neither end fits, nothing between does; except in the smallest sizes.
+        # Near-affine: if neither end fits, nothing between does (bar the smallest).
         if bytes_at(hi) <= limit:
             return hi
         if lo < hi and bytes_at(lo) <= limit:
@@ -256,9 +223,8 @@ def _search(
 
 
 def _element_bytes(measured: dict[int, int], sizes: _Sizes) -> int:
-    """One element's share of a chunk's working set: the slope of the bytes over
-    the sizes measured that run two or more steps, else (only the whole batch was
-    measured) its bytes over its size."""
+    """One element's share of a chunk's working set: the slope of the bytes over the
+    sizes measured that run two or more steps, else the whole batch's mean."""
     lo, hi = _segments(sizes)[-1]
     steps = sorted(k for k in measured if lo <= k <= hi and k < sizes.n)
     if len(steps) >= 2:
@@ -269,10 +235,8 @@ def _element_bytes(measured: dict[int, int], sizes: _Sizes) -> int:
 
 
 def _model_size(sizes: _Sizes, cap: int) -> int:
-    """The size the model runs for a cap on the chunk size: the largest size not
-    above it that runs two or more steps, but not fewer than `MIN_CHUNK` elements
-    (the smallest size from there up, where rounding to a balanced size falls
-    below)."""
+    """The size the model runs for a cap: the largest not above it that runs two or
+    more steps, but at least `MIN_CHUNK` elements."""
     k = sizes.at_most(min(cap, _segments(sizes)[-1][1]))
     return k if k >= _model.MIN_CHUNK else sizes.above(_model.MIN_CHUNK - 1)
 
@@ -287,68 +251,55 @@ def choose_chunk_size(
     options: Hashable,
     api: str,
 ) -> ChunkSizeChoice:
-    """The chunk size to run `run(chunk_size, tree)` at (the chunked call; `None`
-    for the whole batch): the largest that fits `budget`, measured by compiling it
-    as the transformations around it run it, capped by the speed model
-    (`_model.py`) at a smaller size that also fits as measured."""
+    """The chunk size for `run(chunk_size, tree)` (`None`: the whole batch): the
+    largest measured to fit `budget`, or the speed model's if smaller and fitting."""
     program = ChunkedProgram(run, tree)
     limit = budget.resolve()
     base, layers = program.key()
+    reverse = any(layer.kind == "reverse" for layer in layers)
     machine = (_model.backend(), _model.cache_bytes())  # the model reads
     base = None if base is None else (base, batch_size, remainder, options)
-    choice_key = (base, limit, budget.tune, machine)
-    chosen = _chosen.get(choice_key) if base is not None else None
-    if chosen is not None:
-        return chosen
+    choice_key = None if base is None else (base, limit, budget.tune, machine)
+    if choice_key in _chosen:
+        return _chosen[choice_key]
     tried: dict[int, Measured] = {}
+    complete: set[int] = set()  # sizes measured as every program they run
     runs: dict[int, Callable[[], Any]] = {}  # to time, with `tune`
+    chunk = lambda k: None if k >= batch_size else k  # noqa: E731
 
     def _once(k: int, linearize: bool) -> Measured | None:
         key = None if base is None else (base, k, linearize)
-        if key is not None and key in _measured:
+        if key in _measured:
             return _measured[key]
-        chunk = None if k >= batch_size else k
         if linearize:
-            found = linearisation(program, chunk)
+            found = linearisation(program, chunk(k))
         else:
-            found, run = program.compile(chunk)
+            found, run = program.compile(chunk(k))
             if budget.tune:  # the program that runs, to time
                 runs[k] = run
         _remember(_measured, key, found)
         return found
 
-    def _run_at(k: int) -> Callable[[], Any]:
-        # Compiled anew where the measurement came from the cache (which keeps
-        # no compiled programs).
-        if k not in runs:
-            runs[k] = program.compile(None if k >= batch_size else k)[1]
-        return runs[k]
-
     def _measure(k: int, full: bool = False) -> Measured:
-        # Reverse mode runs as a pullback (`grad`) or a linearisation
-        # (`linearize`, none where `fun` holds a `jax.custom_vjp`): both must
-        # fit, and the second is only worth compiling when the first does (or
-        # `full`, for what a size needs).
+        # Reverse mode is a pullback or a linearisation (none under a `custom_vjp`):
+        # both must fit, so the second compiles only if the first fits (or `full`).
         if k not in tried or full:
             found = _once(k, False)
             assert found is not None
-            if not has_reverse(layers) or full or found.total <= limit:
+            if not reverse or full or found.total <= limit:
                 complete.add(k)
-                linear = _once(k, True) if has_reverse(layers) else None
+                linear = _once(k, True) if reverse else None
                 if linear is not None:
                     found = max(found, linear, key=lambda m: m.total)
             tried[k] = found
         return tried[k]
 
     def _refusal() -> ValueError:
-        # What the smallest program measured needs, with both of its programs
-        # under reverse mode (the second may make another the smallest).
+        # Both programs of the smallest (the second may make another the smallest).
         while (k := min(tried, key=lambda s: (tried[s].total, s))) not in complete:
             _measure(k, True)
-        reverse = has_reverse(layers)
         return _too_small(api, budget, limit, tried, batch_size, reverse)
 
-    complete: set[int] = set()  # sizes measured as every program they run
     sizes = _Sizes(batch_size, remainder)
     # One size is kept back for the model's.
     largest = _search(_measure, sizes, limit, _refusal, lambda: len(tried) + 1)
@@ -356,17 +307,16 @@ def choose_chunk_size(
     cap = _model.cache_cap(element)
     k = largest
     capped = largest if cap is None or cap >= largest else _model_size(sizes, cap)
-    # The model's size, if it fits as measured (else the largest), within the
-    # search's bound on the sizes measured.
     if capped < largest and (capped in tried or len(tried) < MAX_COMPILATIONS):
-        if _measure(capped).total <= limit:
-            k = capped
+        k = capped if _measure(capped).total <= limit else largest
     times: dict[int, float] = {}
     if budget.tune:
-        # Sizes from half the model's to the largest, each measured to fit.
+        # Sizes from half the model's to the largest, each measured to fit; those
+        # measured from the cache, which keeps no compiled programs, compile anew.
         ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
         fitting = [s for s in sorted({*ladder, k}) if _measure(s).total <= limit]
-        times = _timing.time_each({s: _run_at(s) for s in fitting})
+        runs |= {s: program.compile(chunk(s))[1] for s in fitting if s not in runs}
+        times = _timing.time_each({s: runs[s] for s in fitting})
         k = min(times, key=lambda s: (times[s], s))
     chosen = ChunkSizeChoice(
         k,
@@ -380,5 +330,5 @@ def choose_chunk_size(
         working_set=tuple((s, s * element) for s in sorted(tried)),
         times=tuple(sorted(times.items())),
     )
-    _remember(_chosen, None if base is None else choice_key, chosen)
+    _remember(_chosen, choice_key, chosen)
     return chosen

@@ -1,12 +1,8 @@
-"""Timing the chunk sizes that fit a budget: `MemoryBudget(..., tune=True)`.
-
-The speed model (`_model.py`) reads bytes, which cannot see everything that
-sets the speed: an MLP's weights, say, are reused by every element of a chunk, so
-its gradient ran fastest at chunks several times the model's size
-(`benchmarks/budget.py`, workload (f)). Timing settles it on the machine at hand:
-a few sizes that fit are compiled as the call runs and each is run on example
-inputs, interleaved, after a warm-up. Only [`choose_chunk_size`][] calls this,
-and only when asked: timings vary from run to run, the model's choice does not.
+"""Timing the chunk sizes that fit a budget, for `MemoryBudget(..., tune=True)`. The
+speed model (`_model.py`) reads bytes, blind to some of what sets the speed: an
+MLP's weights are reused by every element of a chunk, so its gradient ran fastest
+at chunks several times the model's size (`benchmarks/budget.py`, workload (f)).
+Only when asked: timings vary from run to run, the model's choice does not.
 """
 
 import math
@@ -34,10 +30,7 @@ SAMPLE = 0.01
 def ladder(lo: int, hi: int, at_most: Callable[[int], int]) -> list[int]:
     """`LADDER` sizes from `lo` to `hi` (`1 <= lo <= hi`), evenly spaced on a log
     scale and rounded down to sizes that run (`at_most`), without repeats."""
-    if lo >= hi:
-        return [hi]
-    ratio = hi / lo
-    steps = [lo * ratio ** (i / (LADDER - 1)) for i in range(LADDER)]
+    steps = [lo * (hi / lo) ** (i / (LADDER - 1)) for i in range(LADDER)]
     sizes = [at_most(max(1, min(hi, math.floor(k + 1e-9)))) for k in steps]
     return sorted({*sizes, hi})
 
@@ -72,22 +65,18 @@ def example_value(struct: jax.ShapeDtypeStruct, seed: int) -> Any:
 def example_arguments(
     structs: Sequence[Any], known: Sequence[Any], made: dict[Hashable, Any]
 ) -> list[Any]:
-    """Arguments for a compiled program: the concrete arrays of `known` (by
-    position; the rest of `structs` has none) and example values, made eagerly
-    even while a program is being traced. Examples are shared through `made`
-    (by shape, dtype and sharding), so that the programs of one search hold one
-    copy of each."""
-    known = [*known, *[None] * (len(structs) - len(known))]
-    arguments = []
+    """Arguments for a compiled program: the concrete arrays of `known` (by position),
+    else example values, made eagerly even under a trace and shared through `made`
+    (by shape, dtype and sharding): one copy each for the programs of a search."""
+    arguments = [*known, *[None] * (len(structs) - len(known))]
     with jax.ensure_compile_time_eval():
-        for s, k in zip(structs, known):
-            if isinstance(k, jax.Array) and not isinstance(k, jax.core.Tracer):
-                arguments.append(k)
-                continue
-            key = (s.shape, str(s.dtype), getattr(s, "sharding", None))
-            if key not in made:
-                made[key] = example_value(s, len(made))
-            arguments.append(made[key])
+        for i, s in enumerate(structs):
+            k = arguments[i]
+            if not isinstance(k, jax.Array) or isinstance(k, jax.core.Tracer):
+                key = (s.shape, str(s.dtype), getattr(s, "sharding", None))
+                if key not in made:
+                    made[key] = example_value(s, len(made))
+                arguments[i] = made[key]
     return arguments
 
 
@@ -99,14 +88,11 @@ def _seconds(run: Callable[[], Any], repeats: int) -> float:
 
 
 def time_each(runs: dict[int, Callable[[], Any]]) -> dict[int, float]:
-    """The fastest seconds of a run of each (by size), after a warm-up run each,
-    in up to `ROUNDS` interleaved rounds (the order rotating). The fastest, not
-    the median: what else runs on the machine only ever adds time, and in a
-    few rounds one slow round moves a median."""
-    repeats = {}
-    for k, run in runs.items():
-        first = _seconds(run, 1)  # the warm-up
-        repeats[k] = min(max(math.ceil(SAMPLE / max(first, 1e-6)), 1), 100)
+    """The fastest seconds of a run of each, after a warm-up, in up to `ROUNDS`
+    interleaved rounds (the order rotating). The fastest, not the median: what else
+    runs only ever adds time, and in a few rounds one slow round moves a median."""
+    warm = {k: max(_seconds(run, 1), 1e-6) for k, run in runs.items()}  # warm-ups
+    repeats = {k: min(max(math.ceil(SAMPLE / t), 1), 100) for k, t in warm.items()}
     keys = sorted(runs)
     times: dict[int, list[float]] = {k: [] for k in keys}
     start = time.perf_counter()

@@ -1,6 +1,4 @@
-"""Memory budgets as a `chunk_size`: `MemoryBudget`, `"auto"`, what the device has
-free, and what a search reports (`ChunkSizeChoice`). The search for the chunk size
-is in `_search.py`; `suggest_chunk_size` in `filtered_chunk/_suggest.py`."""
+"""Memory budgets as a `chunk_size`, and what a search reports."""
 
 import math
 import operator
@@ -16,18 +14,12 @@ from ._free_memory import available_bytes
 # "auto" budgets this share of the memory the device reports free: XLA's estimate
 # leaves out the allocator's fragmentation and what runs beside the call.
 AUTO_FRACTION = 0.8
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+_UNITS = {"": 1, "b": 1} | {
+    f"{prefix}{binary}b": base**power
+    for power, prefix in enumerate("kmgt", 1)
+    for binary, base in (("", 10**3), ("i", 2**10))
 }
+_NUMBERS = int | float | np.integer | np.floating
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -41,88 +33,68 @@ def format_bytes(num: int) -> str:
 
 def _parse_bytes(text: str) -> int:
     match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else None
+    unit = match[2].lower() if match else None
     if match is None or unit not in _UNITS:
-        hint = ""
-        if text.strip().lower() == "auto":
-            hint = (
-                " For 80% of the free memory write `chunk_size='auto'` (or "
-                f"`MemoryBudget({AUTO_FRACTION})`)."
-            )
+        auto = text.strip().lower() == "auto"
+        hint = (
+            " For 80% of the free memory write `chunk_size='auto'` (or "
+            f"`MemoryBudget({AUTO_FRACTION})`)."
+        )
         raise ValueError(
             f"`MemoryBudget({text!r})`: a size string is a number and a unit, such "
             "as `'4GiB'`, `'512MiB'` or `'1.5GB'` (units B, KB, MB, GB, TB and "
-            f"KiB, MiB, GiB, TiB).{hint}"
+            f"KiB, MiB, GiB, TiB).{hint if auto else ''}"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def _fraction_hint(text: str) -> str:
-    """For a string that reads as a fraction (`'0.5'`, which is zero bytes), the
-    float that means a fraction of the free memory; else nothing."""
-    try:
-        fraction = float(text)
-    except ValueError:
-        return ""
-    if not 0 < fraction <= 1:
-        return ""
-    return f" For a fraction of the free memory write `MemoryBudget({fraction!r})`."
+    return int(float(match[1]) * _UNITS[unit])
 
 
 class MemoryBudget(eqx.Module):
-    """A memory budget for a chunked call: give it as `chunk_size` to any chunked
-    transform, and a chunk size whose compiled program fits is chosen: the
-    largest, or on CPU a smaller one whose working set stays in cache, or with
-    `tune=True` the fastest of a few, timed.
+    """A memory budget for a chunked call: given as `chunk_size` to any chunked
+    transform, it chooses a chunk size whose compiled program fits: the largest, or
+    on CPU a smaller one whose working set stays in cache, or with `tune=True` the
+    fastest of a few, timed.
 
     The budget bounds what the chunked call allocates beyond its arguments: XLA's
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
-    runs. Under `jax.grad`/`jax.vjp`/`jax.linearize` that is the differentiated
-    program (forward and backward, with the transform's `checkpoint` setting, or
-    the linearisation, whichever is larger; the backward pass alone where `fun`
-    holds a `jax.custom_vjp`, which has no linearisation), under
-    `jax.jvp`/`jax.jacfwd` the forward-mode program (primal and tangent
-    outputs). The backward pass is measured as `jax.value_and_grad(...,
-    has_aux=True)` of a loss of the outputs runs it, with the cotangent computed
-    from the outputs; tangents are arguments, their bytes counted. The chunk
-    size is found by compiling the call at a few chunk sizes on abstract shapes
-    (usually four to seven, at most twelve; two programs a size under reverse
-    mode) when the transform is first called with those shapes, inside or
-    outside `jax.jit`; the choice is cached, so later calls compile nothing more
-    for it. One element per chunk is not assumed to need the least: where
-    neither it nor the other ends of the ranges searched fit, a few sizes
-    between are measured before the budget is refused.
+    runs. Under `jax.grad`/`jax.vjp`/`jax.linearize` that is the larger of the
+    backward pass (forward and backward, with the transform's `checkpoint` setting,
+    as `jax.value_and_grad(..., has_aux=True)` of a loss of the outputs runs it, the
+    cotangent computed from them) and the linearisation (none where `fun` holds a
+    `jax.custom_vjp`); under `jax.jvp`/`jax.jacfwd` the forward-mode program (primal
+    and tangent outputs). Tangents are arguments, their bytes counted. The call is
+    compiled on abstract shapes at a few chunk sizes (usually four to seven, at most
+    twelve; two programs a size under reverse mode) when the transform is first
+    called with those shapes, inside or outside `jax.jit`; the choice is cached, so
+    later calls compile nothing more for it. One element per chunk is not assumed
+    to need the least: where neither it nor the other ends of the ranges searched
+    fit, a few sizes between are measured before the budget is refused.
 
     **Arguments:**
 
     - `size`: the budget, as one of
         - an integer number of bytes, such as `2**30`;
-        - a string with a unit, such as `"4GiB"`, `"512MiB"` or `"1.5GB"` (decimal
-          units KB, MB, GB, TB are powers of 1000; binary KiB, MiB, GiB, TiB of
-          1024);
+        - a string with a unit, such as `"4GiB"`, `"512MiB"` or `"1.5GB"` (KB, MB,
+          GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024);
         - a float in `(0, 1]`: that fraction of the memory the default device has
-          free when the call is traced (`bytes_limit - bytes_in_use` from
-          `jax.Device.memory_stats()` on an accelerator; on CPU the smallest of
-          the system's available memory and what the process's memory cgroups
-          have left, so that a container's limit counts).
+          free when the call is traced (on an accelerator `bytes_limit -
+          bytes_in_use` from `jax.Device.memory_stats()`; on CPU the least of the
+          system's available memory and what the process's memory cgroups have
+          left, so that a container's limit counts).
 
     - `tune`: keyword-only. If `True`, the chunk size is the fastest of a few that
-        fit, timed on this machine, rather than the speed model's guess: up to
-        six sizes from half the model's size to the largest that fits (a
-        geometric ladder), each measured to fit, compiled, and run after a
-        warm-up in up to five interleaved rounds (stopping after about four
-        seconds of rounds) on random inputs of the call's shapes (its own
-        concrete arrays where it has them). The fastest run wins. It costs
-        up to six more compilations (two programs a size under reverse mode)
-        and a few runs of the call per search, once (the choice is cached as
-        any other), and memory for one copy of the call's arguments beside the
-        budget. Timings vary between runs, so two processes may choose
-        differently: for a reproducible program, fix the size
-        `suggest_chunk_size` reports. Defaults to `False`.
+        fit, timed on this machine, rather than the speed model's guess: up to six
+        sizes from half the model's size to the largest that fits (a geometric
+        ladder), each measured to fit, compiled, and run after a warm-up in up to
+        five interleaved rounds (stopping after about four seconds) on random inputs
+        of the call's shapes (its own concrete arrays where it has them); the
+        fastest run wins. It costs, once per search (the choice is cached), up to
+        six more compilations (two programs a size under reverse mode), a few runs
+        of the call, and memory for a copy of its arguments beside the budget.
+        Timings vary, so two processes may choose differently: for a reproducible
+        program, fix the size `suggest_chunk_size` reports. Defaults to `False`.
 
-    `chunk_size="auto"` is `MemoryBudget(0.8)`: 80% of the free memory, leaving
-    room for what XLA's estimate does not count (the allocator's fragmentation,
-    other live arrays).
+    `chunk_size="auto"` is `MemoryBudget(0.8)`, leaving room for what XLA's estimate
+    does not count (the allocator's fragmentation, other live arrays).
 
     !!! example
 
@@ -155,9 +127,7 @@ class MemoryBudget(eqx.Module):
         self.tune = bool(tune)
         if isinstance(size, str):
             self.bytes, self.fraction = _parse_bytes(size), None
-        elif isinstance(size, bool) or not isinstance(
-            size, int | float | np.integer | np.floating
-        ):
+        elif isinstance(size, bool) or not isinstance(size, _NUMBERS):
             raise TypeError(
                 "`MemoryBudget(size)` takes a number of bytes (an integer), a string "
                 "such as `'4GiB'`, or a fraction of the free memory (a float in "
@@ -174,9 +144,13 @@ class MemoryBudget(eqx.Module):
         else:
             self.bytes, self.fraction = operator.index(size), None
         if self.bytes is not None and self.bytes < 1:
-            hint = _fraction_hint(size) if isinstance(size, str) else ""
+            # A number without a unit below one byte (`'0.5'`) meant a fraction.
+            unitless = isinstance(size, str) and not any(map(str.isalpha, size))
+            fraction = float(size) if unitless else 0
+            hint = " For a fraction of the free memory write `MemoryBudget({!r})`."
             raise ValueError(
-                f"`MemoryBudget(size)` must be at least one byte, got {size!r}.{hint}"
+                f"`MemoryBudget(size)` must be at least one byte, got {size!r}."
+                f"{hint.format(fraction) if fraction else ''}"
             )
 
     def __repr__(self) -> str:
@@ -188,53 +162,46 @@ class MemoryBudget(eqx.Module):
         if self.bytes is not None:
             return self.bytes
         assert self.fraction is not None
-        # Round down to 1/32 of a power of two, so that a budget read from the
-        # free memory, which moves a little between calls, keeps its cache entry.
+        # Round down to 1/32 of a power of two: the free memory moves a little
+        # between calls, and the budget should keep its cache entry.
         free = self.fraction * available_bytes()
         step = 2 ** max(math.floor(math.log2(max(free, 1))) - 5, 0)
         return max(int(free // step * step), 1)
 
 
-# What `chunk_size` accepts: an integer (anything `operator.index` takes), `None`,
-# `"auto"` or a `MemoryBudget`. Builders check it by value (`normalise_chunk_size`).
+# What `chunk_size` accepts; builders check it by value (`normalise_chunk_size`).
 ChunkSizeSpec: TypeAlias = int | SupportsIndex | Literal["auto"] | MemoryBudget | None
 
 
 def _string_hint(text: str) -> str:
-    """The `chunk_size` a string most likely meant, only where that one works:
-    `'auto'` for any spelling of it, an integer for digits (`'3'` as a budget
-    would be 3 bytes), a budget for a size with a unit."""
+    """The `chunk_size` a string likely meant, where that works: `'auto'` in any case,
+    an integer for digits (`'3'` as a budget is 3 bytes), a budget for a unit."""
     if text.strip().lower() == "auto":
         return " Write `chunk_size='auto'` (lower case)."
     if text.strip().isdecimal() and int(text) > 0:
         return f" For chunks of {int(text)} elements write `chunk_size={int(text)}`."
     match = _SIZE.match(text)
-    if match is None or not match.group(2) or match.group(2).lower() not in _UNITS:
-        return ""
-    if _parse_bytes(text) < 1:
-        return ""
-    return f" For a memory budget write `chunk_size=fc.MemoryBudget({text!r})`."
+    if match and match[2] and match[2].lower() in _UNITS and _parse_bytes(text):
+        return f" For a memory budget write `chunk_size=fc.MemoryBudget({text!r})`."
+    return ""
 
 
 def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | None":
     """`chunk_size` as the transforms hold it, or the error for a bad one."""
     if chunk_size is None or isinstance(chunk_size, MemoryBudget):
         return chunk_size
+    expected = (
+        f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, `'auto'` "
+        "or a `filtered_chunk.MemoryBudget`, got"
+    )
     if isinstance(chunk_size, str):
         if chunk_size == "auto":
             return MemoryBudget(AUTO_FRACTION)
-        raise ValueError(
-            f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, "
-            f"`'auto'` or a `filtered_chunk.MemoryBudget`, got "
-            f"{chunk_size!r}.{_string_hint(chunk_size)}"
-        )
+        raise ValueError(f"{expected} {chunk_size!r}.{_string_hint(chunk_size)}")
     is_bool = isinstance(chunk_size, bool | np.bool_)
     if not is_bool and getattr(type(chunk_size), "__index__", None) is None:
-        raise TypeError(
-            f"`{api}(..., chunk_size=...)` must be a positive integer, `None`, "
-            "`'auto'` or a `filtered_chunk.MemoryBudget`, got "
-            f"{type(chunk_size).__name__} object {chunk_size!r}."
-        )
+        kind = type(chunk_size).__name__
+        raise TypeError(f"{expected} {kind} object {chunk_size!r}.")
     # A bool is an int to Python, but never a size.
     size = -1 if is_bool else operator.index(chunk_size)
     if size < 1:
@@ -248,28 +215,27 @@ def normalise_chunk_size(chunk_size: Any, api: str) -> "int | MemoryBudget | Non
 class ChunkSizeChoice(eqx.Module):
     """What [`filtered_chunk.suggest_chunk_size`][] reports.
 
-    - `chunk_size`: the chosen chunk size: measured to fit, and the speed model's
-        choice among the sizes that fit (`model`). It is the batch size (or the
-        number of Jacobian rows/columns) when that is chosen, which evaluates the
-        whole batch in one `vmap`.
+    - `chunk_size`: the chosen chunk size, measured to fit and the speed model's
+        choice among those that fit (`model`). The batch size (or the number of
+        Jacobian rows/columns) evaluates the whole batch in one `vmap`.
     - `bytes`: XLA's temporary plus output bytes of the program at that size.
     - `budget`: the budget in bytes.
     - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
     - `largest`: the largest size measured to fit (whose next size up does not).
-    - `model`: `"cache"` on CPU where one element's working set fits the cache:
-        the chunk size is capped so that `chunk_size * element_bytes` stays within
-        twice the level-2 cache (`cache_bytes`), at least 8 elements, and that
-        size runs if it fits as measured (else `largest`); `"largest"` where one
-        element overflows the cache, and always on GPU/TPU (unmeasured there).
-    - `element_bytes`: the model's working set per element: the slope of the
-        bytes over the sizes tried that run two or more steps, or the whole
-        batch's bytes over its size.
+    - `model`: `"cache"` on CPU where one element's working set fits the cache: the
+        chunk size is capped to keep `chunk_size * element_bytes` within twice the
+        level-2 cache (`cache_bytes`), at least 8 elements, and runs if it fits as
+        measured (else `largest`); `"largest"` where one element overflows the
+        cache, and always on GPU/TPU (unmeasured there).
+    - `element_bytes`: the model's working set per element: the slope of the bytes
+        over the sizes tried that run two or more steps, else the whole batch's
+        bytes over its size.
     - `cache_bytes`: the level-2 cache the model read (`None` for `"largest"`).
-    - `working_set`: `(chunk_size, chunk_size * element_bytes)`, the model's
-        figure for every size tried.
-    - `times`: with `MemoryBudget(..., tune=True)`, `(chunk_size, seconds)` for
-        every size timed (the fastest of its runs), by size; the fastest is
-        `chunk_size` and `model` is `"timed"`. Empty otherwise.
+    - `working_set`: `(chunk_size, chunk_size * element_bytes)`, the model's figure
+        for every size tried.
+    - `times`: with `MemoryBudget(..., tune=True)`, `(chunk_size, seconds)` for every
+        size timed (its fastest run), by size; the fastest is `chunk_size` and
+        `model` is `"timed"`. Empty otherwise.
 
     !!! example
 
