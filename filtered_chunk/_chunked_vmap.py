@@ -4,7 +4,7 @@ with `jax.vmap` and moves the outputs to their out axes."""
 
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, overload
+from typing import Any, ClassVar, overload, Unpack
 
 import equinox as eqx
 import jax
@@ -24,21 +24,20 @@ from ._axes import (
     varying_unmapped,
 )
 from ._batch import Batch, run_batch
-from ._boundary import deferred, keyword_only
+from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
     CheckpointSpec,
     ChunkOutput,
     is_none,
     keep_untraced,
-    Remainder,
     sentinel,
     SpmdAxisName,
     unwrap_kept,
 )
 from ._progress import AbstractProgressMeter
 from ._summed import split_varying, summed_output, with_sums
-from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, ChunkSizeSpec, Fun, wrap
+from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, Fun, wrap
 
 
 _API = "filter_chunked_vmap"
@@ -170,39 +169,19 @@ def _chunk_fn(
     return ChunkOutput(out_mapped, axes, out_unmapped, eqx.combine(out_static, kept))
 
 
-@overload
-def filter_chunked_vmap(
-    *,
-    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: ChunkSizeSpec = None,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remainder: Remainder = "overlap",
-    checkpoint: CheckpointSpec = True,
-    spmd_axis_name: SpmdAxisName = None,
-    progress_meter: AbstractProgressMeter | None = None,
-    sum_match: bool = False,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+class _VmapOptions(BuilderOptions, total=False):
+    in_axes: PyTree[AxisSpec]
+    out_axes: PyTree[AxisSpec]
+    axis_name: Hashable
+    axis_size: int | None
+    spmd_axis_name: SpmdAxisName
+    sum_match: bool
 
 
 @overload
-def filter_chunked_vmap(
-    fun: Callable[..., Any],
-    *,
-    in_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    out_axes: PyTree[AxisSpec] = eqx.if_array(0),
-    chunk_size: ChunkSizeSpec = None,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remainder: Remainder = "overlap",
-    checkpoint: CheckpointSpec = True,
-    spmd_axis_name: SpmdAxisName = None,
-    progress_meter: AbstractProgressMeter | None = None,
-    sum_match: bool = False,
-) -> Callable[..., Any]: ...
-
-
+def filter_chunked_vmap(**options: Unpack[_VmapOptions]) -> Decorator: ...
+@overload
+def filter_chunked_vmap(fun: Fun, **options: Unpack[_VmapOptions]) -> Fun: ...
 @keyword_only("filter_chunked_vmap", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_vmap(

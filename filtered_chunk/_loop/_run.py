@@ -162,9 +162,11 @@ def run_in_chunks(
     reports to the options' progress meter (labelled with their `api`, and
     `loop` if one of several): see `_reporting.py`.
     """
-    if options.chunk_size >= batch_size:  # one `vmap` of the batch, one step
+    if options.chunk_size >= batch_size:  # one `vmap` of the batch
+        # A call not split into chunks reports nothing, unless it is one of a
+        # call's loops (a staged pass on a shard): then it reports one step.
         steps = Steps(batch_size, batch_size, 1, 0)
-        meter = options.progress_meter if batch_size else None
+        meter = options.progress_meter if batch_size and loop else None
         found = reporter(meter, options.api, steps, loop)
         out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
         report_step(found, jnp.asarray(0), batch_size, out.batched)
