@@ -53,7 +53,17 @@ def run_batch(
     """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
     `chunk_size`, or the staged loops for collectives over `axis_name`; on each
     device's shard if `sharding` splits it."""
-    schedule = _schedule(batch, chunk_size, options, sharding)
+    schedule = NONE
+    if batch.element is not None:  # what collectives over `axis_name` make of it
+        schedule = schedule_collectives(
+            ft.partial(batch.element, batch.closed),
+            batch.mapped,
+            batch.in_axes,
+            options.axis_name,
+            batch_size=batch.size,
+            chunk_size=chunk_size,
+            sharding=sharding,
+        )
     if schedule == WHOLE:
         # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
         # collective across the devices.
@@ -145,24 +155,3 @@ def _staged(
 
     shapes = lambda _, size: output_shapes(staged, size)  # noqa: E731
     return _local, staged.plan.program.consts, shapes
-
-
-def _schedule(
-    batch: Batch,
-    chunk_size: int | None,
-    options: ChunkOptions,
-    sharding: BatchSharding | None,
-) -> str:
-    """What collectives over `axis_name` make of the batch (see
-    `schedule_collectives`)."""
-    if batch.element is None:
-        return NONE
-    return schedule_collectives(
-        ft.partial(batch.element, batch.closed),
-        batch.mapped,
-        batch.in_axes,
-        options.axis_name,
-        batch_size=batch.size,
-        chunk_size=chunk_size,
-        sharding=sharding,
-    )

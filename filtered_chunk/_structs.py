@@ -9,7 +9,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from ._jax_compat import varying_axes
+from ._jax_compat import varying_axes, with_weak_type
 
 
 def struct(
@@ -34,6 +34,18 @@ def struct(
     return jax.ShapeDtypeStruct(
         tuple(shape), aval.dtype, weak_type=weak_type, sharding=sharding
     )
+
+
+def inexact(x: Any) -> bool:
+    """Whether `x` (an array or a struct) has a floating or complex dtype."""
+    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
+
+
+def typed(x: Array, aval: Any) -> Array:
+    """`x` with `aval`'s dtype and weak type."""
+    if x.dtype == aval.dtype and jax.typeof(x).weak_type == aval.weak_type:
+        return x
+    return with_weak_type(lax.convert_element_type(x, aval.dtype), aval.weak_type)
 
 
 def element_struct(axis: int, x: Any) -> jax.ShapeDtypeStruct:

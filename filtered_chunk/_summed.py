@@ -19,7 +19,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
-import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from equinox.internal import Static
@@ -27,7 +26,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ._custom_types import ChunkOutput, keep_untraced, unwrap_kept
-from ._jax_compat import with_weak_type
+from ._structs import typed
 
 
 def _varies(x: Any, marker: Array) -> bool:
@@ -64,14 +63,7 @@ def split_varying(
 def as_sums(rows: list[Array]) -> list[Array]:
     """Each output's rows (the batch on axis 0) in the dtype and weak type that
     `jnp.sum` gives their sum, as `jax.vmap(..., sum_match=True)` sums them."""
-    out = []
-    for x in rows:
-        total = jax.eval_shape(lambda _x: _x.sum(0), x)
-        if total.dtype != x.dtype or total.weak_type != jax.typeof(x).weak_type:
-            x = lax.convert_element_type(x, total.dtype)
-            x = with_weak_type(x, total.weak_type)
-        out.append(x)
-    return out
+    return [typed(x, jax.eval_shape(lambda _x: _x.sum(0), x)) for x in rows]
 
 
 def merge_varying(varies: list[bool], summed: list[Any], rest: list[Any]) -> list:

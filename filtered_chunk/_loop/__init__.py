@@ -17,6 +17,5 @@ running maximum or minimum: `_accumulate.py`). Its parts:
 - `_accumulate.py`: accumulated outputs, their overlap and derivatives.
 """
 
-from ._accumulate import KINDS as KINDS
 from ._run import reduced as reduced, run_in_chunks as run_in_chunks
 from ._schedule import Steps as Steps

@@ -20,11 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._jax_compat import varying_axes, with_weak_type
-from .._structs import full
-
-
-KINDS = ("sum", "max", "min")
+from .._jax_compat import varying_axes
+from .._structs import full, typed
 
 
 def lowest(dtype: Any, which: str) -> Any:
@@ -63,7 +60,7 @@ def reduce_rows(which: str, rows: Array, axis: int, mask: Array | None) -> Array
         out = jnp.sum(rows, axis=axis, dtype=rows.dtype)
     else:
         out = getattr(jnp, which)(rows, axis=axis)
-    return _like(out, rows)
+    return typed(out, jax.typeof(rows))
 
 
 def combine(which: str, acc: Array, part: Array) -> Array:
@@ -72,31 +69,7 @@ def combine(which: str, acc: Array, part: Array) -> Array:
         out = acc + part
     else:
         out = getattr(jnp, f"{which}imum")(acc, part)
-    return _like(out, acc)
-
-
-def _like(x: Array, like: Array) -> Array:
-    """`x` with the dtype and weak type of `like`."""
-    weak = jax.typeof(like).weak_type
-    if x.dtype == like.dtype and jax.typeof(x).weak_type == weak:
-        return x
-    return with_weak_type(lax.convert_element_type(x, like.dtype), weak)
-
-
-def overlap_weights(
-    start: Int[Array, ""], size: int, batch_size: int, covered: int
-) -> Array:
-    """Per row of a step from `start`: `0.5` for a row that two steps compute
-    (the overlap of the last step, `[batch_size - size, covered)`), else `1`.
-
-    The derivative of an accumulated sum weighs each copy of a recomputed row by
-    half, so that its cotangent is split as the written outputs' is
-    (`Schedule.merge`): keeping one copy would give the other a zero
-    cotangent, and `0 * inf` turns an infinite derivative into `nan`.
-    """
-    positions = start + jnp.arange(size)
-    twice = (positions >= batch_size - size) & (positions < covered)
-    return jnp.where(twice, 0.5, 1.0)
+    return typed(out, jax.typeof(acc))
 
 
 def zeros_like(x: Array) -> Array:

@@ -52,6 +52,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray, is_none
 from .._reporting import report_step
+from .._structs import inexact
 from ._accumulate import zeros_like as _zeros_like
 from ._schedule import Schedule
 from ._weak_types import (
@@ -66,10 +67,6 @@ from ._weak_types import (
 
 
 ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
-
-
-def _inexact(x: InputArray) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 def _as_arrays(tree: PyTree[Any]) -> PyTree[Array]:
@@ -87,12 +84,6 @@ def checkpointed(fn: Callable[..., Any], checkpoint: CheckpointSpec) -> Callable
     policy = None if checkpoint is True else checkpoint
     # `prevent_cse=False` is safe (and faster) inside a scan: see `jax.checkpoint`.
     return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=False)
-
-
-def _primal_step(
-    fn: ArraysFn, inputs: PyTree[InputArray], start: Int[Array, ""], loop: Schedule
-) -> tuple[list[Array], PyTree[Array]]:
-    return _as_arrays(fn(loop.slice(inputs, start)))
 
 
 def _jvp_step(
@@ -117,13 +108,13 @@ def _jvp_step(
     out, t_out = jax.jvp(_call, (diff,), (t_diff,))
     # Two copies of each tangent, for the weak type of its cotangent (`fork`).
     t_out = jtu.tree_map(
-        lambda x, t: strong_and_weak(t) if _inexact(x) else None, out, t_out
+        lambda x, t: strong_and_weak(t) if inexact(x) else None, out, t_out
     )
     return out, t_out
 
 
 @eqx.filter_custom_jvp
-def _run(
+def scan_chunks(
     fn: ArraysFn,
     inputs: PyTree[InputArray],
     buffers: list[Array],
@@ -132,6 +123,17 @@ def _run(
     *,
     loop: Schedule,
 ) -> tuple[list[Array], PyTree[Array]]:
+    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
+    into `buffers` with `loop.write`; returns the buffers and the last step's
+    unbatched outputs.
+
+    `fn` holds the arrays it closes over as its PyTree leaves (made by
+    `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
+    rule and get tangents. `rest_fn`, `fn` at the size of the rows that no whole
+    chunk covers, makes the derivative evaluate them apart rather than in an
+    overlapping step (see the module's docstring); pass `None` rather than omit
+    it: `eqx.filter_custom_jvp` fills in no defaults.
+    """
     del rest_fn  # only for the derivative (`_run_jvp`)
     # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
     # goes through `_run_jvp`, which checkpoints), and a `checkpoint` in a program
@@ -144,7 +146,7 @@ def _run(
         # from an array, compiles to one kernel fewer (benchmarks/).
         _buffers, _, index = carry
         start = jnp.minimum(index * loop.chunk_size, last)
-        _chunk, _unbatched = _primal_step(fn, inputs, start, loop)
+        _chunk, _unbatched = _as_arrays(fn(loop.slice(inputs, start)))
         _buffers = loop.write(_buffers, _chunk, start, loop.first_new(start))
         # After the write: the report reads the written buffers, so it follows the
         # step's work.
@@ -158,7 +160,7 @@ def _run(
     return buffers, unbatched
 
 
-@_run.def_jvp
+@scan_chunks.def_jvp
 def _run_jvp(
     primals: tuple[Any, ...], tangents: tuple[Any, ...], *, loop: Schedule
 ) -> tuple[Any, Any]:
@@ -187,7 +189,7 @@ def _run_jvp(
     # The tangents of accumulated sums are summed in the carry, as their primals
     # are: their size, not the batch's (`_accumulate.py`).
     t_sums = [
-        _zeros_like(b) if which == "sum" and _inexact(b) else None
+        _zeros_like(b) if which == "sum" and inexact(b) else None
         for b, which in zip(buffers, loop.kinds, strict=True)
     ]
 
@@ -249,7 +251,7 @@ def _zero_tangent(x: Array) -> Any:
     """The zero tangent of an output that has none (an integer one, a running
     maximum): explicit, since Equinox 0.13.1 makes one with an API that JAX 0.10
     removed."""
-    if _inexact(x):
+    if inexact(x):
         return _zeros_like(x)
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
@@ -319,29 +321,8 @@ def _unbatched_tangents(
     (only of what the unbatched outputs need, under `jit`), whose transpose is the
     only one to see their cotangent.
     """
-    if not any(_inexact(u) for u in jtu.tree_leaves(unbatched)):
+    if not any(inexact(u) for u in jtu.tree_leaves(unbatched)):
         return jtu.tree_map(lambda _: None, unbatched)
     t_fn, t_chunk = t_first
     _, (_, t_unbatched) = step(fn, t_fn, inputs, jnp.array(0), t_chunk, loop)
     return t_unbatched
-
-
-def scan_chunks(
-    fn: ArraysFn,
-    inputs: PyTree[InputArray],
-    buffers: list[Array],
-    unbatched: PyTree[Array],
-    loop: Schedule,
-    rest_fn: ArraysFn | None = None,
-) -> tuple[list[Array], PyTree[Array]]:
-    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
-    into `buffers` with `loop.write`; returns the buffers and the last step's
-    unbatched outputs.
-
-    `fn` holds the arrays it closes over as its PyTree leaves (made by
-    `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
-    rule and get tangents. `rest_fn`, `fn` at the size of the rows that no whole
-    chunk covers, makes the derivative evaluate them apart rather than in an
-    overlapping step (see the module's docstring).
-    """
-    return _run(fn, inputs, buffers, unbatched, rest_fn, loop=loop)

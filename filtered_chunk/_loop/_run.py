@@ -31,7 +31,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Int, PyTree
+from jaxtyping import Array, PyTree
 
 from .._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
 from .._jax_compat import without_const_values
@@ -41,20 +41,6 @@ from .._structs import full
 from ._accumulate import combine, identity, new_rows, reduce_rows
 from ._rule import scan_chunks
 from ._schedule import Schedule, slice_rest, Steps
-
-
-def slice_inputs(
-    inputs: PyTree[InputArray],
-    in_axes: PyTree[int | None],
-    start: Int[Array, ""] | int,
-    size: int,
-) -> PyTree[Array]:
-    """Slices `size` elements starting at `start` along each leaf's mapped axis."""
-
-    def _slice(axis: int, x: InputArray) -> Array:
-        return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-    return jtu.tree_map(_slice, in_axes, inputs)
 
 
 def _write_one(buffer: Array, chunk: Array, axis: int, start: Any) -> Array:
@@ -135,7 +121,11 @@ def _convert(
 
     # An example chunk (dead code under `jit`) carries the inputs' full types:
     # dtype, weak type, sharding, varying manual axes.
-    example = slice_inputs(inputs, in_axes, jnp.array(0), size)
+    example = jtu.tree_map(
+        lambda axis, x: lax.dynamic_slice_in_dim(x, jnp.array(0), size, axis=axis),
+        in_axes,
+        inputs,
+    )
     fn = eqx.filter_closure_convert(_chunk_arrays, example)
     if hasattr(fn, "jaxpr"):
         jaxpr = without_const_values(getattr(fn, "jaxpr"))
@@ -202,7 +192,9 @@ def run_in_chunks(
         )
 
     whole = _schedule(batch_size, chunk_size, num_steps, found)
-    buffers, unbatched = scan_chunks(fn, inputs, buffers, unbatched, whole, rest_fn)
+    buffers, unbatched = scan_chunks(
+        fn, inputs, buffers, unbatched, rest_fn, loop=whole
+    )
     if leftover != 0:
         # The remainder is a loop of one step on its own slice of the batch, so
         # that it gets the same derivative rule as the loop over whole chunks.
@@ -215,7 +207,9 @@ def run_in_chunks(
             _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
         ]
         one = _schedule(leftover, leftover, 1, None)
-        rest_buffers, unbatched = scan_chunks(fn, rest, rest_buffers, unbatched, one)
+        rest_buffers, unbatched = scan_chunks(
+            fn, rest, rest_buffers, unbatched, None, loop=one
+        )
         # The accumulators of the whole chunks, then the remainder's (its own).
         buffers = [
             _write_one(b, r, a, start) if k is None else combine(k, b, r)

@@ -22,7 +22,6 @@ from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray
 from .._reporting import Reporter
-from ._accumulate import overlap_weights
 from ._weak_types import fork, join
 
 
@@ -71,9 +70,7 @@ class Steps(NamedTuple):
 
 
 class Schedule(eqx.Module):
-    """The schedule of one loop: steps of `chunk_size` elements starting at
-    `i * chunk_size`, the last clamped to end at `batch_size` (an overlapping chunk)
-    when `num_steps` exceeds the number of whole chunks."""
+    """The schedule of one loop (see the module's docstring)."""
 
     in_axes: Any = eqx.field(static=True)
     axes: tuple[int, ...] = eqx.field(static=True)
@@ -104,11 +101,18 @@ class Schedule(eqx.Module):
         return jnp.where(start == last, self.num_whole * self.chunk_size, start)
 
     def row_sum(self, t: Any, axis: int, start: Int[Array, ""]) -> Array:
-        """The tangent of a step's accumulated sum from its rows' tangents `t`:
-        each copy of a recomputed row weighs half (`overlap_weights`)."""
+        """The tangent of a step's accumulated sum from its rows' tangents `t`.
+
+        Each copy of a row that two steps compute (the overlap of the last step)
+        weighs half, so that its cotangent is split as the written outputs' is
+        (`merge`): keeping one copy would give the other a zero cotangent, and
+        `0 * inf` turns an infinite derivative into `nan`.
+        """
         if self.overlaps:
-            covered = self.num_whole * self.chunk_size
-            w = overlap_weights(start, self.chunk_size, self.batch_size, covered)
+            rows = start + jnp.arange(self.chunk_size)
+            first = self.batch_size - self.chunk_size  # where the last step starts
+            twice = (rows >= first) & (rows < self.num_whole * self.chunk_size)
+            w = jnp.where(twice, 0.5, 1.0)
             shape = [1] * t.ndim
             shape[axis] = -1
             t = t * w.reshape(shape).astype(t.dtype)

@@ -1,13 +1,10 @@
 """Collectives over `axis_name`, exact across chunks: staged evaluation.
 
-How it works is in this folder's `README.md`. The rest of the package uses:
-
-- [`schedule_collectives`][] and [`reads_axis`][] (`_analysis.py`): what the
-  collectives of a call make of its schedule;
-- [`plan_staged_vmap`][], [`run_staged_vmap`][] and [`output_shapes`][]
-  (`_vmap.py`): `filter_chunked_vmap`'s call, planned once and run in passes of
-  the one loop, on one device or, as any local run, on each device's shard
-  (`_batch.py`).
+How it works is in this folder's `README.md`. The rest of the package uses
+[`schedule_collectives`][] (`_analysis.py`: what the collectives of a call make of
+its schedule), and [`plan_staged_vmap`][], [`run_staged_vmap`][] and
+[`output_shapes`][] (`_vmap.py`: `filter_chunked_vmap`'s call, planned once and run
+in passes of the one loop, on one device or on each device's shard).
 """
 
 from ._analysis import (

@@ -1,12 +1,6 @@
-"""Finding collectives over the mapped axis, and what they mean for the schedule.
-
-This is the one collective analysis of every transform: where a collective over
-`axis_name` is (`found_in`, derivatives included: `in_derivatives`), whether `fun`
-reads the axis at all (`reads_axis`), and, in [`schedule_collectives`][], what it
-means for the call: nothing (`fun` never reads the axis, or one `vmap` of the
-whole batch), one `vmap` of the whole batch when it is split over devices into
-shards of one chunk each (XLA computes the collective across them), or the staged
-evaluation (this sub-package), which computes it exactly across chunks.
+"""Finding collectives over the mapped axis, derivatives included, and what they
+mean for the call ([`schedule_collectives`][]): the one collective analysis of
+every transform.
 """
 
 import contextlib
@@ -16,13 +10,12 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.core
-import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._jaxprs import subjaxprs
 from .._sharding import BatchSharding
-from .._structs import element_struct, struct
+from .._structs import element_struct, inexact, struct
 
 
 def axis_names(params: dict[str, Any]) -> tuple[Any, ...]:
@@ -62,28 +55,28 @@ def in_derivatives(
     `custom_vjp` backward pass is traced when transposing. Where reverse mode is not
     defined (a `while_loop`), forward mode shows `custom_jvp` rules.
     """
-    is_inexact = [_is_inexact(x) for x in args]
-    rest = [x for x, b in zip(args, is_inexact) if not b]
+    is_diff = [inexact(x) for x in args]
+    diff = [x for x, b in zip(args, is_diff) if b]
+    if not diff:
+        return []
+    rest = [x for x, b in zip(args, is_diff) if not b]
 
-    def _outputs(_inexact: list[Any]) -> list[Any]:
-        first, others = iter(_inexact), iter(rest)
-        merged = [next(first) if b else next(others) for b in is_inexact]
-        return [x for x in fun(merged) if _is_inexact(x)]
+    def _outputs(_diff: list[Any]) -> list[Any]:
+        first, others = iter(_diff), iter(rest)
+        merged = [next(first) if b else next(others) for b in is_diff]
+        return [x for x in fun(merged) if inexact(x)]
 
-    def _reverse(_inexact: list[Any]) -> Any:
-        out, pullback = jax.vjp(_outputs, _inexact)
+    def _reverse(_diff: list[Any]) -> Any:
+        out, pullback = jax.vjp(_outputs, _diff)
         return pullback(out)
 
-    def _forward(_inexact: list[Any]) -> Any:
-        return jax.jvp(_outputs, (_inexact,), (_inexact,))
+    def _forward(_diff: list[Any]) -> Any:
+        return jax.jvp(_outputs, (_diff,), (_diff,))
 
-    inexact = [x for x, b in zip(args, is_inexact) if b]
-    if not inexact:
-        return []
     for derivative in (_reverse, _forward):
         try:
             traced = jax.make_jaxpr(derivative, axis_env=[(axis_name, axis_size)])
-            return found_in(traced(inexact).jaxpr, axis_name)
+            return found_in(traced(diff).jaxpr, axis_name)
         except Exception:  # not differentiable in this mode: nothing to find
             continue
     return []
@@ -122,10 +115,6 @@ def reads_axis(
             axis_size,
         )
     )
-
-
-def _is_inexact(x: Any) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jnp.inexact))
 
 
 # What a collective over `axis_name` makes of a call (`schedule_collectives`).

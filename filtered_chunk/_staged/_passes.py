@@ -1,13 +1,6 @@
-"""Staged collectives, part 3: what one pass accumulates over its chunks, and what
-each element then reads.
-
-A pass evaluates, for every chunk, the operands of the collectives at its level,
-and the loop folds them into one accumulator per operand (`_loop/_accumulate.py`): a sum
-(`psum`, `pmean`, `psum_scatter`), a running maximum or minimum (`pmax`, `pmin`),
-or the rows of a batch-sized buffer (`all_gather`, `ppermute`, `all_to_all`).
-After the loop, the names of outer axes in the same collective are reduced, and
-each element of a later stage reads its result: all of it, or its own slice
-(`psum_scatter`) or row (`ppermute`, `all_to_all`).
+"""Staged collectives, part 3: each collective's result over the whole batch, from
+what one pass accumulated (`finish`), and what each element then reads of it: all
+of it, or its own slice (`psum_scatter`) or row (`ppermute`, `all_to_all`).
 """
 
 import functools as ft
@@ -20,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .._jax_compat import with_weak_type
+from .._structs import inexact, typed
 from ._analysis import axis_names
 from ._program import bind, GATHERS
 
@@ -33,13 +26,6 @@ def kind(eqn: Any) -> str:
         return name[1:]
     assert name in GATHERS
     return "gather"
-
-
-def typed(x: Array, aval: Any) -> Array:
-    """`x` with `aval`'s dtype and weak type."""
-    if x.dtype == aval.dtype and jax.typeof(x).weak_type == aval.weak_type:
-        return x
-    return with_weak_type(lax.convert_element_type(x, aval.dtype), aval.weak_type)
 
 
 def strong(x: Array) -> Array:
@@ -61,13 +47,6 @@ def _no_derivative_jvp(name: str, primals: Any, tangents: Any) -> Any:
     raise NotImplementedError(f"Differentiation rule for '{name}' not implemented")
 
 
-def _best_value(acc: Any, name: str) -> Array:
-    top, carrier = acc
-    if not jnp.issubdtype(top.dtype, jnp.inexact):
-        return top
-    return _no_derivative(name, top, carrier)
-
-
 def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> list:
     """The collective's result over the whole batch, from its accumulators (one
     per operand), with the outer axes it names reduced."""
@@ -76,9 +55,9 @@ def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> l
     if name == "psum":
         out = [lax.psum(a, others) if others else a for a in accs]
     elif name in ("pmax", "pmin"):
-        out = [_best_value(a, name) for a in accs]
-        outer = getattr(lax, name)
-        out = [outer(x, others) if others else x for x in out]
+        # `accs`: pairs of the best value and the carrier of its tangent.
+        out = [_no_derivative(name, *a) if inexact(a[0]) else a[0] for a in accs]
+        out = [getattr(lax, name)(x, others) if others else x for x in out]
     elif name == "all_gather":
         out = [_gathered(eqn, accs[0])]
     elif name == "reduce_scatter":

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax.extend.core as jex
-import jax.numpy as jnp
 
 from .._jaxprs import subjaxprs
-from .._structs import struct
+from .._structs import inexact, struct
 from ._analysis import axis_names, in_derivatives
 from ._program import bind, CUSTOM, Program, varying_outputs
 
@@ -118,17 +117,12 @@ def check_custom_rules(program: Program, api: str) -> None:
     in its primal: see `_program.py`) is differentiated on its own, in
     reverse mode or, where that is not defined, in forward mode.
     """
-    axis_name = program.axis_name
+    axis_name, size = program.axis_name, program.batch_size
     for eqn in _custom_calls(program.jaxpr):
         structs = [struct(v.aval, weak=False) for v in eqn.invars]
-        if not any(_inexact(s) for s in structs):
+        if not any(inexact(s) for s in structs):
             continue
-        found = in_derivatives(
-            ft.partial(bind, eqn),
-            structs,
-            axis_name,
-            program.batch_size,
-        )
+        found = in_derivatives(ft.partial(bind, eqn), structs, axis_name, size)
         if found:
             what = ", ".join(f"`{f}`" for f in found)
             raise ValueError(
@@ -139,7 +133,3 @@ def check_custom_rules(program: Program, api: str) -> None:
                 "(or at least the batch size), or compute the collective outside "
                 "the rule."
             )
-
-
-def _inexact(x: Any) -> bool:
-    return bool(jnp.issubdtype(x.dtype, jnp.inexact))

@@ -1,25 +1,18 @@
-"""Collectives over the mapped axis across chunks, exactly: staged evaluation.
+"""Collectives over the mapped axis across chunks, exactly: staged evaluation
+(this folder's `README.md`).
 
-A collective over `axis_name` needs the whole batch, but a chunked loop sees one
-chunk at a time. [`run_plan`][] evaluates `fun` in passes over the batch instead
-(`_plan.py` says which), each a run of the library's one loop
-([`run_in_chunks`][]): pass `s` computes only the operands of the collectives of
-level `s`, with the results of lower levels as unmapped values, as outputs that
-the loop accumulates (a sum, a running maximum or minimum) or writes (the rows
-of a gather); `_passes.py` turns them into each collective's result. The
-last pass computes every output (the unmapped ones as the loop's unbatched
-outputs, so that `jax.vmap` tells whether they vary). `fun` is traced once,
-with the axis at the batch size, so every size it reads (`lax.axis_size`, `psum`
-of a constant) is the batch's. So `psum`, `pmean`,
-`pmax`, `pmin`, `axis_index`, `axis_size`, `all_gather`, `ppermute`,
-`psum_scatter` and `all_to_all` give `jax.vmap`'s results (up to the order of
-floating-point sums), with a working set of one chunk per pass plus the
-collectives' results and gather buffers.
+[`run_plan`][] runs `fun` in passes of the library's one loop ([`run_in_chunks`][]):
+pass `s` computes only the operands of the level-`s` collectives, with the results
+of lower levels as unmapped values; the last computes every output (the unmapped
+ones as the loop's unbatched outputs, so that `jax.vmap` tells whether they vary).
+`psum`, `pmean`, `pmax`, `pmin`, `axis_index`, `axis_size`, `all_gather`,
+`ppermute`, `psum_scatter` and `all_to_all` give `jax.vmap`'s results, up to the
+order of floating-point sums.
 
-Cost: `num_passes + 1` loops, each recomputing what its level needs (a dependency
-depth of `d` costs up to `d + 1` evaluations of the prefix of `fun`). Every pass's
-chunks are rematerialised in reverse mode (`checkpoint`), which keeps gradients
-bounded too: without it, the residuals of every pass's chunks would be kept.
+Cost: a dependency depth of `d` costs up to `d + 1` evaluations of the prefix of
+`fun`. Every pass's chunks are rematerialised in reverse mode (`checkpoint`), which
+keeps gradients bounded too: without it, the residuals of every pass's chunks would
+be kept.
 """
 
 from collections.abc import Callable, Hashable
@@ -35,15 +28,11 @@ from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
 from .._loop import run_in_chunks
 from .._sharding import across, BatchSharding
+from .._structs import inexact, typed
 from .._summed import as_sums, merge_varying, split_varying
 from ._analysis import axis_names
-from ._passes import finish, kind, read, strong, typed, unstaged
-from ._plan import (
-    check_custom_rules,
-    FINAL,
-    make_plan,
-    Plan,
-)
+from ._passes import finish, kind, read, strong, unstaged
+from ._plan import check_custom_rules, FINAL, make_plan, Plan
 from ._program import bind, staged_program
 
 
@@ -91,14 +80,6 @@ def _evaluate(
     ]
 
 
-def _operands(plan: Plan, level: int) -> list[tuple[int, str, Any]]:
-    """(equation, accumulator kind, operand aval) for each operand of the level."""
-    eqns = plan.program.jaxpr.eqns
-    return [
-        (i, kind(eqns[i]), v.aval) for i in plan.at_level(level) for v in eqns[i].invars
-    ]
-
-
 def _with_mapped(plan: Plan, fixed: list[Any], mapped: list[Any]) -> list[Any]:
     """The program's arguments: `fixed` is its consts then its unmapped inputs."""
     k = len(plan.program.consts)
@@ -123,7 +104,11 @@ def _pass(
     JAX defines no derivative of `pmax` or `pmin` (not even under `jax.vmap`), and
     the carrier is what raises its error when one is taken (`finish`).
     """
-    operands = _operands(plan, level)
+    eqns = plan.program.jaxpr.eqns
+    # The accumulator kind and the aval of each operand of the level.
+    operands = [
+        (kind(eqns[i]), v.aval) for i in plan.at_level(level) for v in eqns[i].invars
+    ]
 
     def _element(_mapped: list[Array], _position: Array) -> list[Any]:
         _args = _with_mapped(plan, fixed, _mapped)
@@ -133,7 +118,7 @@ def _pass(
         del size
         rows = jax.vmap(_element, in_axes=(batch[1], 0))(*inputs)
         leaves, kinds = [], []
-        for (_, which, _), x in zip(operands, rows, strict=True):
+        for (which, _), x in zip(operands, rows, strict=True):
             if which == "gather":
                 leaves.append(x)
                 kinds.append(None)
@@ -141,7 +126,7 @@ def _pass(
             x = strong(x)
             leaves.append(x if which == "sum" else lax.stop_gradient(x))
             kinds.append(which)
-            if which != "sum" and jnp.issubdtype(x.dtype, jnp.inexact):
+            if which != "sum" and inexact(x):
                 leaves.append(x - lax.stop_gradient(x))
                 kinds.append("sum")
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
@@ -155,15 +140,14 @@ def _pass(
         ]
     values = iter(values)
     acc, gathered = [], []
-    for _, which, aval in operands:
+    for which, aval in operands:
         if which == "gather":
             gathered.append(next(values))
         elif which == "sum":
             acc.append(next(values))
         else:
             top = next(values)
-            inexact = jnp.issubdtype(aval.dtype, jnp.inexact)
-            acc.append((top, next(values) if inexact else jnp.zeros_like(top)))
+            acc.append((top, next(values) if inexact(aval) else jnp.zeros_like(top)))
     return _results(plan, level, acc, gathered)
 
 
@@ -178,29 +162,19 @@ def _loop(
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
     library's loop, reported as loop `level` of the plan's."""
-    batch_size = _local_size(plan, shard)
-    inputs = (list(batch[0]), _positions(batch_size, shard))
+    num_devices = 1 if shard is None else shard.num_devices
+    batch_size = plan.program.batch_size // num_devices
+    positions = jnp.arange(batch_size)
+    if shard is not None:  # this device's elements follow those of the ones before
+        device = lax.axis_index(shard.axis_names).astype(positions.dtype)
+        positions = positions + device * batch_size
+    inputs = (list(batch[0]), positions)
     in_axes = (list(batch[1]), 0)
     loops = plan.num_passes + 1
     label = None if loops == 1 else f"loop {level} of {loops}"
     return run_in_chunks(
         chunk_fn, inputs, in_axes, batch_size=batch_size, options=options, loop=label
     )
-
-
-def _local_size(plan: Plan, shard: BatchSharding | None) -> int:
-    """The number of elements this device evaluates."""
-    num_devices = 1 if shard is None else shard.num_devices
-    return plan.program.batch_size // num_devices
-
-
-def _positions(size: int, shard: BatchSharding | None) -> Array:
-    """The positions in the whole batch of this device's `size` elements."""
-    positions = jnp.arange(size)
-    if shard is None:
-        return positions
-    device = lax.axis_index(shard.axis_names).astype(positions.dtype)
-    return positions + device * size
 
 
 def _results(

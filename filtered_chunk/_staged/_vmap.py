@@ -1,10 +1,5 @@
 """Staged collectives, `filter_chunked_vmap`'s face: its call's PyTrees flattened
 into the staged program's inputs and outputs, and back.
-
-[`plan_staged_vmap`][] plans the call once, for the whole batch and outside any
-`shard_map`; [`run_staged_vmap`][] runs the plan on the batch (on one device's
-shard, inside `shard_map`, with `shard`), and [`output_shapes`][] gives its
-output's shapes at a shard's size (for `shard_map`'s output specs).
 """
 
 from collections.abc import Callable, Hashable
