@@ -59,6 +59,7 @@ def test_fractions_of_free_memory(monkeypatch):
         ("4 parsecs", ValueError, r"`MemoryBudget\('4 parsecs'\)`: a size string"),
         ("GiB", ValueError, r"a size string is a number and a unit"),
         ("", ValueError, r"a size string is a number and a unit"),
+        ("9" * 400 + "TB", ValueError, r"the size is too large to be a number of"),
         (1.5, ValueError, r"must be in `\(0, 1\]`, got 1\.5\. Give a number of bytes"),
         (0.0, ValueError, r"must be in `\(0, 1\]`, got 0\.0"),
         (float("nan"), ValueError, r"must be in `\(0, 1\]`, got nan"),

@@ -45,7 +45,13 @@ def _parse_bytes(text: str) -> int:
             "as `'4GiB'`, `'512MiB'` or `'1.5GB'` (units B, KB, MB, GB, TB and "
             f"KiB, MiB, GiB, TiB).{hint if auto else ''}"
         )
-    return int(float(match[1]) * _UNITS[unit])
+    size = float(match[1]) * _UNITS[unit]
+    if not math.isfinite(size):  # `int` of an infinite float is an `OverflowError`
+        raise ValueError(
+            f"`MemoryBudget({text!r})`: the size is too large to be a number of "
+            "bytes; give a size such as `'4GiB'`."
+        )
+    return int(size)
 
 
 class MemoryBudget(eqx.Module):
