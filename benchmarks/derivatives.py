@@ -269,7 +269,7 @@ def _update_page(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    parser.add_argument("--out", type=Path, help="where to write the table")
+    parser.add_argument("--out", type=Path, help="file or folder for the table")
     options = parser.parse_args()
     start = time.perf_counter()
     # (batch size or Jacobian rows, chunk size) per workload; the loss at two sizes.
@@ -302,7 +302,9 @@ def main() -> None:
         _update_page(text)
         out = PAGE
     else:
-        out = out or Path(tempfile.mkdtemp()) / TABLE_NAME
+        out = out or Path(tempfile.mkdtemp())
+        if out.is_dir():  # a folder, as the other benchmarks' `--out` takes
+            out = out / TABLE_NAME
         out.write_text(text)
     print("\n".join(ratios))
     print(f"Wrote {out} in {time.perf_counter() - start:.0f} s.", file=sys.stderr)
