@@ -23,7 +23,7 @@ concatenating the scanned part with the remainder copies every output (as
 `tests/test_schedule.py` pins the one scan.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -86,6 +86,21 @@ def _buffer(struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: in
     return full(struct, struct.shape[:axis] + (size,) + struct.shape[axis + 1 :])
 
 
+def _reuse(
+    buffers: list[Array], kinds: tuple[str | None, ...], spares: Sequence[Array]
+) -> list[Array]:
+    """`buffers`, each written one replaced by a spare of its exact type (no
+    tangent: its rows are all overwritten), while spares are left."""
+    left = list(spares)
+    out = []
+    for buf, which in zip(buffers, kinds, strict=True):
+        found = [i for i, x in enumerate(left) if jax.typeof(x) == jax.typeof(buf)]
+        if which is None and found:
+            buf = lax.stop_gradient(left.pop(found[0]))
+        out.append(buf)
+    return out
+
+
 def reduced(out: ChunkOutput) -> ChunkOutput:
     """A chunk function's output for the whole batch in one step: its accumulated
     outputs reduced over their rows, as the loop reduces them."""
@@ -143,6 +158,7 @@ def run_in_chunks(
     batch_size: int,
     options: LoopOptions,
     loop: str | None = None,
+    spares: Sequence[Array] = (),
 ) -> ChunkOutput:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
@@ -151,6 +167,12 @@ def run_in_chunks(
     (`reduced`); with `chunk_size >= batch_size`, that one `vmap`. Each step
     reports to the options' progress meter (labelled with their `api`, and
     `loop` if one of several): see `_reporting.py`.
+
+    `spares` are arrays the caller no longer needs: a written output of exactly
+    a spare's type is written into it rather than into a new buffer (every row
+    is overwritten). XLA gives each loop's outputs memory of their own, even
+    once they are dead, but writes a loop's carry in place: so a caller running
+    loops one after another keeps the memory of the dead ones in use.
     """
     if options.chunk_size >= batch_size:  # one `vmap` of the batch
         # A call not split into chunks reports nothing, unless it is one of a
@@ -172,6 +194,7 @@ def run_in_chunks(
     buffers = [
         _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
     ]
+    buffers = _reuse(buffers, kinds, spares)
     unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
 
     # The derivative of an overlapping last step gives each copy of a recomputed
