@@ -147,6 +147,7 @@ def _staged(
         axis_name=options.axis_name,
         api=options.api,
         sum_match=batch.sum_match,
+        keep=bool(options.keep_boundaries),
     )
     loop = _loop_options(chunk_size, options)
 

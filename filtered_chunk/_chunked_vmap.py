@@ -176,6 +176,7 @@ class _VmapOptions(BuilderOptions, total=False):
     axis_size: int | None
     spmd_axis_name: SpmdAxisName
     sum_match: bool
+    keep_boundaries: bool | None
 
 
 @overload
@@ -197,6 +198,7 @@ def filter_chunked_vmap(
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
     sum_match: bool = False,
+    keep_boundaries: bool | None = None,
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -248,6 +250,22 @@ def filter_chunked_vmap(
         gradients need one chunk's residuals rather than every chunk's: `True` (the
         default), `False`, or a policy from `jax.checkpoint_policies` choosing which
         residuals to save. It has no effect on evaluation without differentiation.
+    - `keep_boundaries`: keyword-only. With collectives across chunks (see
+        `axis_name`), whether each pass over the batch keeps, in batch-sized
+        buffers, the per-element values where the next pass resumes (its stage
+        boundary), so that no part of `fun` is computed twice. `False` recomputes,
+        in each pass, the part of `fun` before its collectives: the least memory,
+        and a time that grows with the square of the number of collectives that
+        depend on each other (a BatchNorm network has two per layer). `True` runs
+        `fun` about once, at the cost of the boundaries' buffers (the batch size
+        times the values kept per element): evaluated, those of two or three
+        passes at once (a pass writes into buffers no later pass reads); under
+        reverse mode, every pass's, as residuals. `None` (the default): `False` at
+        a fixed `chunk_size`; with a memory budget, `True` where the program with
+        the buffers fits the budget, at the size chosen without them or a smaller
+        one ([`filtered_chunk.suggest_chunk_size`][] says which). No effect without
+        collectives across chunks. See
+        [collectives across chunks][collectives-across-chunks].
     - `spmd_axis_name`: keyword-only. The mesh axis name (or tuple of names) that the
         batch is split over, as for `jax.vmap`. Each device then chunks its own elements
         inside `jax.shard_map`: the compiled program has no collective on the batch, and
@@ -317,5 +335,6 @@ def filter_chunked_vmap(
         progress_meter,
         axis_name,
         spmd_axis_name,
+        keep_boundaries,
     )
     return wrap(fun, _VmapPlan(in_axes, out_axes, axis_size, sum_match), options)

@@ -22,6 +22,8 @@ from ._budget import (
     choose_chunk_size,
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
+    keep_if_fits,
+    measure_bytes,
     MemoryBudget,
     normalise_chunk_size,
 )
@@ -46,6 +48,9 @@ class ChunkOptions(eqx.Module):
     progress_meter: AbstractProgressMeter | None = None
     axis_name: Hashable | None = None
     spmd_axis_name: SpmdAxisName = None
+    # Whether staged collectives keep their stage boundaries (`None`: not at a
+    # fixed chunk size; a budget decides).
+    keep_boundaries: bool | None = None
 
 
 class Bound(NamedTuple):
@@ -118,28 +123,61 @@ class Chunked(eqx.Module):
             chunked, _tree = closed
             return chunked._evaluate(bound._replace(tree=_tree), k)
 
-        o = self._options
-        return choose_chunk_size(
-            _run,
-            (self, bound.tree),
-            batch_size=size,
-            budget=budget,
-            remainder=o.remainder,
-            # What else changes the chunked program but not the unchunked one.
-            options=(o.remainder, o.checkpoint, o.axis_name, type(self._plan)),
-            api=o.api,
-        )
+        def _search(keep: bool) -> ChunkSizeChoice:
+            o = self._options
+            choice = choose_chunk_size(
+                _run,
+                (self._keeping(keep), bound.tree),
+                batch_size=size,
+                budget=budget,
+                remainder=o.remainder,
+                # What else changes the chunked program but not the unchunked one.
+                options=(
+                    o.remainder,
+                    o.checkpoint,
+                    o.axis_name,
+                    type(self._plan),
+                    keep,
+                ),
+                api=o.api,
+            )
+            return dataclasses.replace(choice, keep_boundaries=keep)
+
+        keep = self._options.keep_boundaries
+        choice = _search(bool(keep))
+        if self._options.axis_name is None:
+            return choice
+        if choice.largest >= size:
+            # The whole batch fits: one `vmap`. Split, collectives across chunks
+            # would cost passes over the batch, which the speed model (a chunk's
+            # working set in cache) does not see.
+            whole = dict(choice.tried)[size]
+            return dataclasses.replace(choice, chunk_size=size, bytes=whole)
+        if keep is not None:
+            return choice
+        # Staged collectives keep their boundaries where that fits: no pass then
+        # recomputes an earlier one's work.
+        kept = (self._keeping(True), bound.tree)
+        measure = lambda k: measure_bytes(_run, kept, k)  # noqa: E731
+        return keep_if_fits(choice, measure, size, self._options.remainder)
+
+    def _keeping(self, keep: bool) -> "Chunked":
+        """This transform, with staged collectives keeping their boundaries or not."""
+        options = dataclasses.replace(self._options, keep_boundaries=keep)
+        return dataclasses.replace(self, _options=options)
 
     @api_boundary
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         bound = self._plan.bind(self._fun, self._options, args, kwargs)
-        chunk_size = self._options.chunk_size
+        chunk_size, chunked = self._options.chunk_size, self
         if self.budget is not None:
             choice = self._choose(bound)
             chunk_size = None if choice is None else choice.chunk_size
+            if choice is not None:
+                chunked = self._keeping(choice.keep_boundaries)
         reporting = is_reporting(self._options.progress_meter)
         with closing_on_error() if reporting else contextlib.nullcontext():
-            return self._dispatch(bound, chunk_size)
+            return chunked._dispatch(bound, chunk_size)
 
     def _dispatch(self, bound: Bound, chunk_size: int | None) -> Any:
         if self._plan.chunked(bound, chunk_size) and not is_traced((self, bound.tree)):

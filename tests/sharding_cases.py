@@ -477,18 +477,31 @@ def test_collectives_staged_per_device(axis_type, mesh_of, chunk_size, remainder
     # accumulators are combined across the devices. Values and gradients (w.r.t.
     # the unmapped `w` and the mapped `x`) are `eqx.filter_vmap`'s on the whole,
     # unsharded batch; the mapped output stays split like the batch.
+    _check_staged_per_device(axis_type, mesh_of, chunk_size, remainder)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_kept_boundaries_per_device(axis_type, remainder):
+    # With the stage boundaries kept, each device writes and reads its own
+    # shard's buffers: the same values and gradients.
+    _check_staged_per_device(axis_type, mesh_1d, 2, remainder, keep_boundaries=True)
+
+
+def _check_staged_per_device(axis_type, mesh_of, chunk_size, remainder, **kwargs):
     mesh = mesh_of(axis_type)
     names = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
     x = jr.normal(jr.key(0), (40, 3))
     w = jnp.array([1.0, 2.0, 0.5])
-    kwargs: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, None))
-    oracle = eqx.filter_vmap(_every_collective, axis_name="i", **kwargs)
+    axes: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, None))
+    oracle = eqx.filter_vmap(_every_collective, axis_name="i", **axes)
     chunked = fc.filter_chunked_vmap(
         _every_collective,
         axis_name="i",
         chunk_size=chunk_size,
         remainder=remainder,
         spmd_axis_name=mesh.axis_names,
+        **axes,
         **kwargs,
     )
     loss = lambda f: lambda w, x: jnp.sum(jnp.sin(f(w, x)[0])) + jnp.sum(f(w, x)[1])

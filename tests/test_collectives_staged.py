@@ -53,12 +53,15 @@ def _all_collectives(m, u):
 
 
 @pytest.mark.parametrize("batch_size, remainder", CASES)
-def test_every_collective_matches_vmap(batch_size, remainder, getkey):
+@pytest.mark.parametrize("keep", (False, True))
+def test_every_collective_matches_vmap(batch_size, remainder, keep, getkey):
+    # With the stage boundaries kept too (`keep_boundaries=True`): each pass
+    # writes what later passes read, rather than them recomputing it.
     x = jr.normal(getkey(), (batch_size, 2))
     w = jnp.array(1.5)
     fun = _all_collectives if batch_size else _no_shuffles
     expected = vmap_call(fun, [x], [w])
-    actual = staged_call(fun, [x], [w], K, remainder)
+    actual = staged_call(fun, [x], [w], K, remainder, keep_boundaries=keep)
     assert tree_allclose(actual, expected)
 
 
@@ -329,19 +332,22 @@ def _cases(draw):
     batch_size = draw(st.integers(1, 9))
     chunk_size = draw(st.integers(1, 10))
     remainder = draw(st.sampled_from(REMAINDERS))
+    keep = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     x = rng.standard_normal((batch_size, 2))
-    return tuple(ops), chunk_size, remainder, x
+    return tuple(ops), chunk_size, remainder, keep, x
 
 
 # Each example compiles a few loops over the batch: fewer than the `ci` profile's.
 @settings(max_examples=min(settings().max_examples, 40))
 @given(_cases())
 def test_random_compositions_match_vmap(case):
-    ops, chunk_size, remainder, x = case
+    ops, chunk_size, remainder, keep, x = case
     fun = _compose(ops)
     expected = vmap_call(fun, [jnp.asarray(x)], [])
-    actual = staged_call(fun, [jnp.asarray(x)], [], chunk_size, remainder)
+    actual = staged_call(
+        fun, [jnp.asarray(x)], [], chunk_size, remainder, keep_boundaries=keep
+    )
     assert tree_allclose(actual, expected, rtol=1e-6)
 
 
@@ -423,20 +429,27 @@ def test_public_call_matches_filter_vmap(mode, remainder, jit, getkey):
     # the new `eqx.nn.State` are `eqx.filter_vmap`'s, and so is the gradient.
     model, state = eqx.nn.make_with_state(_MLP)(mode, getkey())
     x = jr.normal(getkey(), (9, 3))
-    kwargs: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name="batch")
-    chunked = fc.filter_chunked_vmap(model, chunk_size=4, remainder=remainder, **kwargs)
-    expected = eqx.filter_vmap(model, **kwargs)(x, state)
-    call = eqx.filter_jit(chunked) if jit else chunked
+    check_public_call(model, state, x, "batch", jit, chunk_size=4, remainder=remainder)
+
+
+def check_public_call(model, state, x, axis_name, jit, **options):
+    """`filter_chunked_vmap(model, **options)` of a model with state against
+    `eqx.filter_vmap`: the outputs, the new state and the gradient w.r.t. the
+    model, eagerly or under `jit`."""
+    kwargs: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name=axis_name)
+    chunked_of = lambda m: fc.filter_chunked_vmap(m, **options, **kwargs)
+    oracle_of = lambda m: eqx.filter_vmap(m, **kwargs)
+    expected = oracle_of(model)(x, state)
+    call = eqx.filter_jit(chunked_of(model)) if jit else chunked_of(model)
     assert tree_allclose(call(x, state), expected)
 
     def loss(m, apply):
         out, _ = apply(m)(x, state)
         return jnp.sum(jnp.tanh(out))
 
-    chunked_of = lambda m: fc.filter_chunked_vmap(m, chunk_size=4, **kwargs)
-    oracle_of = lambda m: eqx.filter_vmap(m, **kwargs)
-    grads = eqx.filter_grad(loss)(model, chunked_of)
-    assert tree_allclose(grads, eqx.filter_grad(loss)(model, oracle_of))
+    grad = eqx.filter_grad(loss)
+    actual = eqx.filter_jit(grad)(model, chunked_of) if jit else grad(model, chunked_of)
+    assert tree_allclose(actual, grad(model, oracle_of))
 
 
 @pytest.mark.parametrize("remainder", REMAINDERS)

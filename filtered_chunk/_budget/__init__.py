@@ -4,7 +4,11 @@ the speed model (`_model.py`) or by timing (`_timing.py`); `_free_memory.py` rea
 the free memory. `suggest_chunk_size` lives beside the transforms (`_suggest.py`).
 """
 
-from ._search import choose_chunk_size as choose_chunk_size
+from ._search import (
+    choose_chunk_size as choose_chunk_size,
+    keep_if_fits as keep_if_fits,
+    measure_bytes as measure_bytes,
+)
 from ._values import (
     ChunkSizeChoice as ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,

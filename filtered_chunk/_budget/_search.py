@@ -11,6 +11,7 @@ smallest range are measured (`_probes`) before the budget is refused. Measuremen
 are cached on the traced program, choices also on the machine the model reads.
 """
 
+import dataclasses
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -239,6 +240,53 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
     more steps, but at least `MIN_CHUNK` elements."""
     k = sizes.at_most(min(cap, _segments(sizes)[-1][1]))
     return k if k >= _model.MIN_CHUNK else sizes.above(_model.MIN_CHUNK - 1)
+
+
+def measure_bytes(
+    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int
+) -> int:
+    """The bytes a search measures for `run(k, tree)` at one size: under reverse
+    mode the larger of the call's pullback and its linearisation. Cached as the
+    search's measurements are."""
+    program = ChunkedProgram(run, tree)
+    base, layers = program.key()
+    key = None if base is None else (base, k, "bytes")
+    if key not in _measured:
+        found, _ = program.compile(k)
+        if any(layer.kind == "reverse" for layer in layers):
+            linear = linearisation(program, k)
+            if linear is not None:
+                found = max(found, linear, key=lambda m: m.total)
+        _remember(_measured, key, found)
+        if key is None:
+            return found.total
+    found = _measured[key]
+    assert found is not None
+    return found.total
+
+
+def keep_if_fits(
+    choice: ChunkSizeChoice,
+    measure: Callable[[int], int],
+    batch_size: int,
+    remainder: str,
+) -> ChunkSizeChoice:
+    """`choice` with the staged collectives' boundaries kept (`measure(k)`: the
+    bytes of that program at `k`), if it fits the budget at the chosen size, or
+    else at the size where the buffers' bytes fit beside the measured bytes
+    (near-affine in the size: `choice.element_bytes` an element), at least
+    `MIN_CHUNK`; else `choice` as it is. One or two compilations."""
+    k, found = choice.chunk_size, measure(choice.chunk_size)
+    if found > choice.budget:
+        slope = max(choice.element_bytes, 1)
+        room = choice.budget - (found - choice.bytes) - (choice.bytes - slope * k)
+        smaller = _Sizes(batch_size, remainder).at_most(max(min(room // slope, k), 1))
+        if smaller >= k or smaller < _model.MIN_CHUNK:
+            return choice
+        k, found = smaller, measure(smaller)
+        if found > choice.budget:
+            return choice
+    return dataclasses.replace(choice, chunk_size=k, bytes=found, keep_boundaries=True)
 
 
 def choose_chunk_size(

@@ -242,6 +242,13 @@ class ChunkSizeChoice(eqx.Module):
     - `times`: with `MemoryBudget(..., tune=True)`, `(chunk_size, seconds)` for every
         size timed (its fastest run), by size; the fastest is `chunk_size` and
         `model` is `"timed"`. Empty otherwise.
+    - `keep_boundaries`: whether the call runs with `keep_boundaries=True`: with
+        collectives across chunks, each pass over the batch then keeps the
+        per-element values the next resumes from, in buffers that `bytes`
+        counts. Unless `filter_chunked_vmap(..., keep_boundaries=...)` says, they
+        are kept where the program with them fits the budget: at the size chosen
+        without them, or at the smaller size (at least 8) where their bytes fit
+        beside the rest (one or two compilations more).
 
     !!! example
 
@@ -271,3 +278,4 @@ class ChunkSizeChoice(eqx.Module):
     cache_bytes: int | None
     working_set: tuple[tuple[int, int], ...]
     times: tuple[tuple[int, float], ...] = ()
+    keep_boundaries: bool = False

@@ -5,11 +5,16 @@ each collective over the mapped axis its level, and each stage the equations it
 must evaluate: stage `s <= num_passes` computes the operands of the level-`s`
 collectives, reading the results of lower levels; the final stage computes every
 output, mapped or not (`out_axes=None`).
+
+With `keep=True`, the stage boundaries are kept: a stage reads, from batch-sized
+buffers that earlier passes wrote, every per-element value they computed that it
+needs, instead of recomputing it, so that no equation of the program runs twice
+for an element. Each pass then writes the values that later stages read of it.
 """
 
 import dataclasses
 import functools as ft
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import jax.extend.core as jex
@@ -36,6 +41,11 @@ class Plan:
     # variables it returns.
     schedules: dict[Any, list[int]]
     targets: dict[Any, list[Any]]
+    # Stage -> the per-element values it reads from buffers that earlier passes
+    # wrote (kept boundaries), and those it writes for later stages; empty unless
+    # the plan keeps its boundaries.
+    reads: dict[Any, list[Any]]
+    writes: dict[Any, list[Any]]
 
     def at_level(self, level: int) -> list[int]:
         return [i for i, lv in self.levels.items() if lv == level]
@@ -45,7 +55,7 @@ def _is_var(v: Any) -> bool:
     return not isinstance(v, jex.Literal)
 
 
-def make_plan(program: Program) -> Plan:
+def make_plan(program: Program, keep: bool = False) -> Plan:
     jaxpr, axis_name = program.jaxpr, program.axis_name
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
     first = len(program.consts)
@@ -70,32 +80,61 @@ def make_plan(program: Program) -> Plan:
     # Every output, the unmapped ones too: `jax.vmap` in the final loop tells
     # whether those vary (`_staged._final`).
     targets[FINAL] = list(jaxpr.outvars)
-    schedules = {}
+    schedules: dict[Any, list[int]] = {}
+    reads: dict[Any, list[Any]] = {}
+    writes: dict[Any, list[Any]] = {s: [] for s in targets}
+    # A kept value -> the stage that computed it first (and writes it).
+    kept: dict[Any, Any] = {}
     for stage, roots in targets.items():
         upto = num_passes + 1 if stage == FINAL else stage
-        schedules[stage] = _schedule(jaxpr.eqns, roots, upto, levels, stage == FINAL)
-    return Plan(program, levels, num_passes, schedules, targets)
+        order, read = _schedule(
+            jaxpr.eqns, roots, upto, levels, stage == FINAL, kept.keys()
+        )
+        schedules[stage], reads[stage] = order, read
+        for v in read:
+            if v not in writes[kept[v]]:
+                writes[kept[v]].append(v)
+        if keep and stage != FINAL:
+            for i in order:
+                eqn = jaxpr.eqns[i]
+                # A collective's result is given, or cheap: never buffered.
+                if axis_name in axis_names(eqn.params):
+                    continue
+                for v in eqn.outvars:
+                    if not isinstance(v, jex.DropVar) and var[v] and v not in kept:
+                        kept[v] = stage
+    return Plan(program, levels, num_passes, schedules, targets, reads, writes)
 
 
 def _schedule(
-    eqns: list[Any], roots: list[Any], stage: int, levels: dict[int, int], effects: bool
-) -> list[int]:
+    eqns: list[Any],
+    roots: list[Any],
+    stage: int,
+    levels: dict[int, int],
+    effects: bool,
+    kept: Collection[Any],
+) -> tuple[list[int], list[Any]]:
     """The equations that compute `roots` at `stage`, where the collectives of
-    lower levels are given; effects (`jax.debug.callback`) run in the final stage
-    only, so once per element."""
+    lower levels are given and the `kept` values are read from buffers; and the
+    kept values it reads, in the program's order. Effects (`jax.debug.callback`)
+    run in the final stage only, so once per element."""
     needed = {v for v in roots if _is_var(v)}
     order = []
     for i in reversed(range(len(eqns))):
         eqn = eqns[i]
-        wanted = any(v in needed for v in eqn.outvars if not isinstance(v, jex.DropVar))
+        outvars = [v for v in eqn.outvars if not isinstance(v, jex.DropVar)]
+        wanted = any(v in needed and v not in kept for v in outvars)
         if not (wanted or (effects and eqn.effects)):
             continue
         order.append(i)
+        needed.difference_update(outvars)
         if i in levels:
             assert levels[i] < stage
             continue  # its result is given
         needed.update(v for v in eqn.invars if _is_var(v))
-    return order[::-1]
+    # What is still needed is an input of the program, or a kept value.
+    read = [v for eqn in eqns for v in eqn.outvars if v in needed and v in kept]
+    return order[::-1], read
 
 
 def _custom_calls(jaxpr: Any) -> Iterator[Any]:

@@ -56,11 +56,16 @@ def _evaluate(
     args: list[Any],
     results: dict[int, list[Array]],
     position: Any,
+    kept: list[Array],
 ) -> list[Any]:
-    """Stage `stage` of the program for one element (at `position` in the batch)."""
+    """Stage `stage` of the program for one element (at `position` in the batch,
+    with `kept` its rows of the buffers the stage reads): its targets, then the
+    values it writes for later stages."""
     program = plan.program
     jaxpr, axis_name = program.jaxpr, program.axis_name
     env = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), args, strict=True))
+    # A buffer holds the value's dtype; its weak type is the program's.
+    env |= {v: typed(x, v.aval) for v, x in zip(plan.reads[stage], kept, strict=True)}
     get = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
     for i in plan.schedules[stage]:
         eqn = jaxpr.eqns[i]
@@ -74,10 +79,11 @@ def _evaluate(
         for v, x in zip(eqn.outvars, out, strict=True):
             env[v] = x
     # A literal output (a constant) gets its type from the jaxpr, weak or not.
-    return [
+    targets = [
         typed(jnp.asarray(v.val), v.aval) if isinstance(v, jex.Literal) else env[v]
         for v in plan.targets[stage]
     ]
+    return targets + [env[v] for v in plan.writes[stage]]
 
 
 def _with_mapped(plan: Plan, fixed: list[Any], mapped: list[Any]) -> list[Any]:
@@ -86,17 +92,61 @@ def _with_mapped(plan: Plan, fixed: list[Any], mapped: list[Any]) -> list[Any]:
     return fixed[:k] + list(mapped) + fixed[k:]
 
 
+Buffers = dict[Any, Array]  # a kept value of the program -> its batch-sized buffer
+
+
+def _stage_inputs(
+    plan: Plan, stage: Any, batch: tuple[list[Array], list[int]], buffers: Buffers
+) -> tuple[list[Array], list[int]]:
+    """The mapped leaves of a stage's loop, and their axes: the call's, then the
+    buffers of the kept values it reads (batched on axis 0)."""
+    read = [buffers[v] for v in plan.reads[stage]]
+    return list(batch[0]) + read, list(batch[1]) + [0] * len(read)
+
+
+def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list[Array]:
+    """The buffers that the loop of `level` may write its kept values into (see
+    `run_in_chunks`), taken out of `free`, once the buffers that no stage from
+    `level` on reads have joined it: the memory of the kept values is then that
+    of those alive at once, not of them all."""
+    later = [*range(level, plan.num_passes + 1), FINAL]
+    read = {v for stage in later for v in plan.reads[stage]}
+    free += [buffers.pop(v) for v in list(buffers) if v not in read]
+    spares = []
+    for v in plan.writes[level]:
+        rows = [x.shape[1:] == v.aval.shape and x.dtype == v.aval.dtype for x in free]
+        if any(rows):
+            spares.append(free.pop(rows.index(True)))
+    return spares
+
+
+def _element_fn(
+    plan: Plan, stage: Any, fixed: list[Any], results: dict[int, list[Array]]
+) -> Callable[[list[Array], Array], list[Any]]:
+    """`_evaluate` of `stage` for one element of the stage's loop's inputs."""
+    num_mapped = plan.program.num_mapped_in
+
+    def _element(_mapped: list[Array], _position: Array) -> list[Any]:
+        _args = _with_mapped(plan, fixed, _mapped[:num_mapped])
+        return _evaluate(plan, stage, _args, results, _position, _mapped[num_mapped:])
+
+    return _element
+
+
 def _pass(
     plan: Plan,
     level: int,
     fixed: list[Any],
     results: dict[int, list[Array]],
     batch: tuple[list[Array], list[int]],
+    buffers: Buffers,
+    spares: list[Array],
     options: LoopOptions,
     shard: BatchSharding | None,
-) -> dict[int, list[Array]]:
+) -> tuple[dict[int, list[Array]], Buffers]:
     """The results of the level's collectives, from one run of the library's loop
-    (on each device's shard, then across the devices, if `shard` says so).
+    (on each device's shard, then across the devices, if `shard` says so), and
+    the buffers of the kept values it writes (each device's its own rows).
 
     Its chunk function returns each operand's rows: a gather's are written into a
     batch-sized buffer, a reduction's are accumulated (`_loop/_accumulate.py`). A
@@ -110,13 +160,14 @@ def _pass(
         (kind(eqns[i]), v.aval) for i in plan.at_level(level) for v in eqns[i].invars
     ]
 
-    def _element(_mapped: list[Array], _position: Array) -> list[Any]:
-        _args = _with_mapped(plan, fixed, _mapped)
-        return _evaluate(plan, level, _args, results, _position)
+    inputs = _stage_inputs(plan, level, batch, buffers)
+    element = _element_fn(plan, level, fixed, results)
+    num_written = len(plan.writes[level])
 
-    def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
+    def _chunk_fn(_inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
-        rows = jax.vmap(_element, in_axes=(batch[1], 0))(*inputs)
+        rows = jax.vmap(element, in_axes=(inputs[1], 0))(*_inputs)
+        rows, written = rows[: len(rows) - num_written], rows[len(rows) - num_written :]
         leaves, kinds = [], []
         for (which, _), x in zip(operands, rows, strict=True):
             if which == "gather":
@@ -129,12 +180,18 @@ def _pass(
             if which != "sum" and inexact(x):
                 leaves.append(x - lax.stop_gradient(x))
                 kinds.append("sum")
+        leaves += written
+        kinds += [None] * num_written
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
-    out = _loop(plan, _chunk_fn, batch, options, shard, level)
+    out = _loop(plan, _chunk_fn, inputs, options, shard, level, spares)
     values = list(out.batched)
+    values, written = (
+        values[: len(values) - num_written],
+        values[len(values) - num_written :],
+    )
     if shard is not None:  # every device's accumulators combined, rows gathered
-        kinds = out.kinds()
+        kinds = out.kinds()[: len(values)]
         values = [
             across(k, x, shard.axis_names) for x, k in zip(values, kinds, strict=True)
         ]
@@ -148,7 +205,8 @@ def _pass(
         else:
             top = next(values)
             acc.append((top, next(values) if inexact(aval) else jnp.zeros_like(top)))
-    return _results(plan, level, acc, gathered)
+    kept = dict(zip(plan.writes[level], written, strict=True))
+    return _results(plan, level, acc, gathered), kept
 
 
 def _loop(
@@ -158,10 +216,12 @@ def _loop(
     options: LoopOptions,
     shard: BatchSharding | None,
     level: int,
+    spares: list[Array] | None = None,
 ) -> ChunkOutput:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
-    library's loop, reported as loop `level` of the plan's."""
+    library's loop, reported as loop `level` of the plan's, writing into
+    `spares` where it can."""
     num_devices = 1 if shard is None else shard.num_devices
     batch_size = plan.program.batch_size // num_devices
     positions = jnp.arange(batch_size)
@@ -173,7 +233,13 @@ def _loop(
     loops = plan.num_passes + 1
     label = None if loops == 1 else f"loop {level} of {loops}"
     return run_in_chunks(
-        chunk_fn, inputs, in_axes, batch_size=batch_size, options=options, loop=label
+        chunk_fn,
+        inputs,
+        in_axes,
+        batch_size=batch_size,
+        options=options,
+        loop=label,
+        spares=spares or (),
     )
 
 
@@ -200,11 +266,13 @@ def plan_staged(
     batch_size: int,
     axis_name: Hashable,
     api: str,
+    keep: bool = False,
 ) -> Plan:
     """The plan of `fun` (see `run_staged`) for one element like `mapped`, traced
-    outside any `shard_map`; raises what cannot be staged exactly."""
+    outside any `shard_map`, keeping its stage boundaries if `keep`; raises what
+    cannot be staged exactly."""
     program = staged_program(fun, mapped, unmapped, axis_name, batch_size, api)
-    plan = make_plan(program)
+    plan = make_plan(program, keep)
     check_custom_rules(program, api)
     return plan
 
@@ -225,10 +293,18 @@ def run_plan(
     `shard_map`, when sharded)."""
     fixed = list(consts) + list(unmapped)
     results: dict[int, list[Array]] = {}
+    buffers: Buffers = {}
+    free: list[Array] = []  # buffers no later stage reads
     for level in range(1, plan.num_passes + 1):
-        results.update(_pass(plan, level, fixed, dict(results), batch, options, shard))
+        spares = _spares(plan, level, buffers, free)
+        found, written = _pass(
+            plan, level, fixed, dict(results), batch, buffers, spares, options, shard
+        )
+        results.update(found)
+        buffers.update(written)
+    inputs = _stage_inputs(plan, FINAL, batch, buffers)
     out_mapped, out_unmapped = _final(
-        plan, fixed, results, batch, options, shard, sum_match
+        plan, fixed, results, inputs, options, shard, sum_match
     )
     out_unmapped = [
         value if untraced else x
@@ -247,7 +323,8 @@ def _final(
     sum_match: bool,
 ) -> tuple[list[Array], list[Array]]:
     """The outputs: the library's loop over the batch (the mapped leaves and
-    their axes), reading every level's results.
+    their axes, the kept values' buffers among them), reading every level's
+    results.
 
     The unmapped outputs (`out_axes=None`) are the loop's unbatched outputs, so
     that `jax.vmap`'s own batching rules say whether they vary (a loop or a `cond`
@@ -258,9 +335,10 @@ def _final(
     num_mapped = plan.program.num_mapped_out
     varies: list[bool] = []
 
+    evaluate = _element_fn(plan, FINAL, fixed, results)
+
     def _element(_m: list[Array], _position: Array) -> tuple[list[Any], ...]:
-        _args = _with_mapped(plan, fixed, _m)
-        out = _evaluate(plan, FINAL, _args, results, _position)
+        out = evaluate(_m, _position)
         if not sum_match:
             return out[:num_mapped], [], out[num_mapped:]
         summed, unbatched, varies[:] = split_varying(out[num_mapped:], _position)

@@ -36,6 +36,7 @@ def plan_staged_vmap(
     axis_name: Hashable,
     api: str,
     sum_match: bool = False,
+    keep: bool = False,
 ) -> StagedVmap:
     """The plan of `filter_chunked_vmap`'s call, with the collectives over
     `axis_name` staged; raises, before anything runs, what cannot be.
@@ -59,7 +60,13 @@ def plan_staged_vmap(
 
     elements = [element_struct(a, x) for x, a in zip(leaves, axes, strict=True)]
     plan = plan_staged(
-        _fun, elements, [], batch_size=batch_size, axis_name=axis_name, api=api
+        _fun,
+        elements,
+        [],
+        batch_size=batch_size,
+        axis_name=axis_name,
+        api=api,
+        keep=keep,
     )
     return StagedVmap(plan, axes, sum_match)
 

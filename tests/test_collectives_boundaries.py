@@ -1,0 +1,217 @@
+"""Collectives across chunks with their stage boundaries kept
+(`keep_boundaries=True`): each pass writes the per-element values that later passes
+resume from, and reads those of earlier passes, against `eqx.filter_vmap`."""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import filtered_chunk as fc
+
+from .budgets import compiled_bytes
+from .helpers import tree_allclose
+from .test_collectives_staged import check_public_call
+
+
+class _Net(eqx.Module):
+    """`depth` blocks of `Linear`, ReLU and a `BatchNorm` in batch mode: two
+    dependent `pmean`s per block."""
+
+    layers: tuple
+    norms: tuple
+
+    def __init__(self, depth, key):
+        keys = jr.split(key, depth + 1)
+        sizes = (3,) + (6,) * depth + (2,)
+        self.layers = tuple(
+            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes, sizes[1:], keys)
+        )
+        self.norms = tuple(eqx.nn.BatchNorm(6, "i", mode="batch") for _ in range(depth))
+
+    def __call__(self, x, state):
+        for layer, norm in zip(self.layers[:-1], self.norms):
+            x, state = norm(jax.nn.relu(layer(x)), state)
+        return self.layers[-1](x), state
+
+
+_KWARGS: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name="i")
+
+
+def _kept(fun, chunk_size, **kwargs):
+    return fc.filter_chunked_vmap(
+        fun, chunk_size=chunk_size, keep_boundaries=True, **_KWARGS, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "batch_size, remainder, jit",
+    [
+        (1, "overlap", False),
+        (3, "overlap", True),
+        (4, "separate", True),
+        (5, "overlap", False),
+        (5, "separate", True),
+        (9, "overlap", True),
+        (9, "separate", False),
+    ],
+)
+def test_batch_norm_matches_filter_vmap(batch_size, remainder, jit, getkey):
+    # Outputs, the new `eqx.nn.State` and the gradient w.r.t. the model, at chunks
+    # of 4 (batches of 1, k - 1, k, k + 1 and 2k + 1), eagerly and under `jit`.
+    model, state = eqx.nn.make_with_state(_Net)(3, getkey())
+    x = jr.normal(getkey(), (batch_size, 3))
+    options = dict(chunk_size=4, remainder=remainder, keep_boundaries=True)
+    check_public_call(model, state, x, "i", jit, **options)
+
+
+def _dependent(x, w):
+    h = jnp.tanh(x * w)
+    mean = lax.pmean(h, "i")
+    d = jnp.sin(h - mean)
+    var = lax.pmean(d**2, "i")
+    g = jnp.exp(d * lax.rsqrt(var + 1.0))
+    return g / lax.psum(g, "i") + lax.all_gather(h, "i").sum(0), mean
+
+
+def test_jvp_and_outer_vmap(getkey):
+    x = jr.normal(getkey(), (2, 7, 3))
+    w = jnp.array([0.5, 1.0, 2.0])
+    kwargs: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name="i")
+    oracle = eqx.filter_vmap(_dependent, **kwargs)
+    kept = fc.filter_chunked_vmap(
+        _dependent, chunk_size=3, keep_boundaries=True, **kwargs
+    )
+    tx, tw = jr.normal(getkey(), x.shape[1:]), jr.normal(getkey(), (3,))
+    jvp = lambda f: jax.jvp(f, (x[0], w), (tx, tw))
+    assert tree_allclose(jvp(kept), jvp(oracle))
+    outer = lambda f: jax.vmap(f, in_axes=(0, None))(x, w)
+    assert tree_allclose(outer(kept), outer(oracle))
+    assert tree_allclose(jax.jit(lambda _x: outer(kept))(x), outer(oracle))
+
+
+def _count(jaxpr, name):
+    found = 0
+    for eqn in jaxpr.eqns:
+        found += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _count(sub, name)
+    return found
+
+
+@pytest.mark.parametrize("depth", (2, 4))
+def test_each_layer_runs_once(depth, getkey):
+    # Each `Linear` is one `dot_general` per element: with the boundaries kept,
+    # the program holds one per layer, as `eqx.filter_vmap`'s; recomputing, the
+    # block of level `s` runs again in every later pass.
+    model, state = eqx.nn.make_with_state(_Net)(depth, getkey())
+    x = jr.normal(getkey(), (16, 3))
+
+    def dots(chunked):
+        return _count(jax.make_jaxpr(chunked)(x, state).jaxpr, "dot_general")
+
+    oracle = eqx.filter_vmap(model, **_KWARGS)
+    recomputed = fc.filter_chunked_vmap(model, chunk_size=4, **_KWARGS)
+    assert dots(_kept(model, 4)) == dots(oracle) == depth + 1
+    assert dots(recomputed) > 2 * depth + 1
+
+
+def test_types_through_buffers(getkey):
+    # A weak float and small integers written by one pass and read by the next
+    # keep their types: the outputs are `eqx.filter_vmap`'s, weak type included.
+    def fun(x, n):
+        h = x * 1.5  # weak
+        k = (n * 3).astype(jnp.int8)
+        m = lax.pmean(h, "i")
+        s = lax.psum(k, "i")
+        out = h - m + k.astype(h.dtype), k * s, (n > 2) & (h > m)
+        return (*out, h * 2.0)  # `h`, read from a buffer, is still weak
+
+    x = lax.full((10,), 1.5)  # weakly typed
+    n = jnp.arange(10, dtype=jnp.int16)
+    expected = eqx.filter_vmap(fun, axis_name="i")(x, n)
+    kept = fc.filter_chunked_vmap(
+        fun, axis_name="i", chunk_size=3, keep_boundaries=True
+    )
+    assert jax.typeof(expected[3]).weak_type
+    assert tree_allclose(kept(x, n), expected)
+
+
+def test_keep_boundaries_must_be_a_bool():
+    with pytest.raises(TypeError, match="keep_boundaries"):
+        fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries="yes")  # pyright: ignore[reportArgumentType]
+
+
+def _wide(x, weights):
+    """Blocks whose boundaries (6 values per element) are much smaller than their
+    working set (64), each normalised over the batch."""
+    for w1, w2 in weights:
+        x = jnp.tanh(x @ w1) @ w2
+        x = x - lax.pmean(x, "i")
+        x = x * lax.rsqrt(lax.pmean(x**2, "i") + 1.0)
+    return x
+
+
+def _weights(key, depth):
+    keys = jr.split(key, 2 * depth)
+    return [
+        (jr.normal(keys[2 * i], (6, 64)), jr.normal(keys[2 * i + 1], (64, 6)) / 8)
+        for i in range(depth)
+    ]
+
+
+def _budgeted(budget, **kwargs):
+    return fc.filter_chunked_vmap(
+        _wide,
+        in_axes=(0, None),
+        axis_name="i",
+        chunk_size=fc.MemoryBudget(budget),
+        **kwargs,
+    )
+
+
+def test_budget_keeps_boundaries_that_fit(getkey):
+    # A budget that the kept boundaries fit, but not the whole batch: the choice
+    # keeps them, and the call fits, runs each layer once and matches
+    # `eqx.filter_vmap`.
+    x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 3)
+    budget = 100 * 1024
+    oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
+    assert compiled_bytes(oracle, x, weights) > budget
+    choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
+    assert choice.keep_boundaries and choice.chunk_size < 256
+    assert compiled_bytes(_budgeted(budget), x, weights) == choice.bytes <= budget
+    jaxpr = jax.make_jaxpr(_budgeted(budget))(x, weights).jaxpr
+    assert _count(jaxpr, "dot_general") == 6
+    assert tree_allclose(_budgeted(budget)(x, weights), oracle(x, weights))
+
+
+def test_budget_too_small_for_the_boundaries_recomputes(getkey):
+    # Under `jax.grad`, every kept boundary is a residual of the backward pass:
+    # below their bytes the choice recomputes, as without them, and fits.
+    x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 3)
+    budget = 160 * 1024
+    loss = lambda run: lambda w: jnp.sum(jnp.sin(run(x, w)))
+    with pytest.raises(ValueError, match="too small"):
+        jax.grad(loss(_budgeted(budget, keep_boundaries=True)))(weights)
+    grad = jax.grad(loss(_budgeted(budget)))
+    assert compiled_bytes(grad, weights) <= budget
+    oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
+    assert tree_allclose(grad(weights), jax.grad(loss(oracle))(weights))
+
+
+def test_budget_runs_a_batch_that_fits_whole(getkey):
+    # Split, collectives across chunks cost passes over the batch: a budget that
+    # the whole batch fits runs it whole, as `eqx.filter_vmap`, whatever the
+    # speed model's cap.
+    x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 3)
+    oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
+    budget = compiled_bytes(oracle, x, weights)
+    choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
+    assert choice.chunk_size == 256 and choice.bytes <= budget
+    assert not choice.keep_boundaries
