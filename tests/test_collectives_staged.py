@@ -105,7 +105,7 @@ def test_each_collective_and_its_gradient(collective, chunk_size, getkey):
 def test_pmax_pmin_values_and_no_derivative(collective, chunk_size, getkey):
     # Ties across chunks. `jax.vmap` defines no derivative of `pmax`/`pmin` and
     # raises; so does the staged one. Of the collective of a `stop_gradient`, both
-    # differentiate the rest.
+    # differentiate the rest, in reverse and forward mode.
     x = jr.normal(getkey(), (5, 3, 10))
     x = x.at[3, 0].set(x[1, 0]).at[1, 1].set(jnp.max(x[:, 1]) + 1)
     x = x.at[4, 1].set(x[1, 1]).at[2, 2].set(x[0, 2]).at[4, 2].set(x[0, 2])
@@ -124,6 +124,8 @@ def test_pmax_pmin_values_and_no_derivative(collective, chunk_size, getkey):
     shifted = lambda m, u: ([jnp.sin(m[0] - reduce(lax.stop_gradient(m[0])))], [])
     expected = jax.grad(loss(vmap_call, shifted))(x)
     assert tree_allclose(jax.grad(loss(staged, shifted))(x), expected)
+    jvp = lambda run: jax.jvp(loss(run, shifted), (x,), (ct,))
+    assert tree_allclose(jvp(staged), jvp(vmap_call))
 
 
 def test_levels_countnum_passes(getkey):

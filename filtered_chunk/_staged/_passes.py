@@ -11,6 +11,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Int
 
 from .._structs import inexact, typed
@@ -40,11 +41,15 @@ def _no_derivative(name: str, value: Array, carrier: Array) -> Array:
     return value
 
 
-@_no_derivative.defjvp
 def _no_derivative_jvp(name: str, primals: Any, tangents: Any) -> Any:
-    del primals, tangents
+    value, _ = primals
+    if isinstance(tangents[1], SymbolicZero):  # the operand has no tangent
+        return value, jnp.zeros_like(value)
     # What `jax.vmap` raises for a `pmax` or `pmin` with a tangent.
     raise NotImplementedError(f"Differentiation rule for '{name}' not implemented")
+
+
+_no_derivative.defjvp(_no_derivative_jvp, symbolic_zeros=True)
 
 
 def finish(eqn: Any, accs: list[Any], axis_name: Hashable, batch_size: int) -> list:

@@ -46,6 +46,9 @@ class Plan:
     # the plan keeps its boundaries.
     reads: dict[Any, list[Any]]
     writes: dict[Any, list[Any]]
+    # The values with a derivative: those that depend on an inexact input other
+    # than through `lax.stop_gradient`.
+    differentiable: frozenset[Any]
 
     def at_level(self, level: int) -> list[int]:
         return [i for i, lv in self.levels.items() if lv == level]
@@ -103,7 +106,25 @@ def make_plan(program: Program, keep: bool = False) -> Plan:
                 for v in eqn.outvars:
                     if not isinstance(v, jex.DropVar) and var[v] and v not in kept:
                         kept[v] = stage
-    return Plan(program, levels, num_passes, schedules, targets, reads, writes)
+    return Plan(
+        program,
+        levels,
+        num_passes,
+        schedules,
+        targets,
+        reads,
+        writes,
+        _differentiable(jaxpr, invars),
+    )
+
+
+def _differentiable(jaxpr: Any, invars: list[Any]) -> frozenset[Any]:
+    found = {v for v in invars if inexact(v.aval)}
+    for eqn in jaxpr.eqns:
+        ins = any(_is_var(v) and v in found for v in eqn.invars)
+        if ins and eqn.primitive.name != "stop_gradient":
+            found.update(v for v in eqn.outvars if inexact(v.aval))
+    return frozenset(found)
 
 
 def _schedule(

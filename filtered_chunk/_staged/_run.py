@@ -150,14 +150,18 @@ def _pass(
 
     Its chunk function returns each operand's rows: a gather's are written into a
     batch-sized buffer, a reduction's are accumulated (`_loop/_accumulate.py`). A
-    running maximum or minimum carries, with value zero, the tangents of the rows:
-    JAX defines no derivative of `pmax` or `pmin` (not even under `jax.vmap`), and
-    the carrier is what raises its error when one is taken (`finish`).
+    running maximum or minimum carries, with value zero, the tangents of the rows
+    (where the operand has any: not through `lax.stop_gradient`): JAX defines no
+    derivative of `pmax` or `pmin` (not even under `jax.vmap`), and the carrier is
+    what raises its error when one is taken (`finish`).
     """
     eqns = plan.program.jaxpr.eqns
-    # The accumulator kind and the aval of each operand of the level.
+    # The accumulator kind and the aval of each operand of the level, and whether
+    # a maximum's or minimum's rows have tangents to carry.
     operands = [
-        (kind(eqns[i]), v.aval) for i in plan.at_level(level) for v in eqns[i].invars
+        (kind(eqns[i]), v.aval, inexact(v.aval) and v in plan.differentiable)
+        for i in plan.at_level(level)
+        for v in eqns[i].invars
     ]
 
     inputs = _stage_inputs(plan, level, batch, buffers)
@@ -169,7 +173,7 @@ def _pass(
         rows = jax.vmap(element, in_axes=(inputs[1], 0))(*_inputs)
         rows, written = rows[: len(rows) - num_written], rows[len(rows) - num_written :]
         leaves, kinds = [], []
-        for (which, _), x in zip(operands, rows, strict=True):
+        for (which, _, carried), x in zip(operands, rows, strict=True):
             if which == "gather":
                 leaves.append(x)
                 kinds.append(None)
@@ -177,7 +181,7 @@ def _pass(
             x = strong(x)
             leaves.append(x if which == "sum" else lax.stop_gradient(x))
             kinds.append(which)
-            if which != "sum" and inexact(x):
+            if which != "sum" and carried:
                 leaves.append(x - lax.stop_gradient(x))
                 kinds.append("sum")
         leaves += written
@@ -197,14 +201,14 @@ def _pass(
         ]
     values = iter(values)
     acc, gathered = [], []
-    for which, aval in operands:
+    for which, _, carried in operands:
         if which == "gather":
             gathered.append(next(values))
         elif which == "sum":
             acc.append(next(values))
         else:
             top = next(values)
-            acc.append((top, next(values) if inexact(aval) else jnp.zeros_like(top)))
+            acc.append((top, next(values) if carried else jnp.zeros_like(top)))
     kept = dict(zip(plan.writes[level], written, strict=True))
     return _results(plan, level, acc, gathered), kept
 
