@@ -215,3 +215,20 @@ def test_budget_runs_a_batch_that_fits_whole(getkey):
     choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
     assert choice.chunk_size == 256 and choice.bytes <= budget
     assert not choice.keep_boundaries
+
+
+def test_kept_memory_does_not_grow_with_depth(getkey):
+    # Evaluated, each pass writes into the buffers no later pass reads: the kept
+    # values of a deeper network need no more memory (XLA would otherwise keep
+    # every loop's output allocated: a buffer more a pass).
+    x = jr.normal(getkey(), (256, 6))
+    boundary = x.size * x.dtype.itemsize  # one kept value of every element
+
+    def kept_bytes(depth):
+        chunked = fc.filter_chunked_vmap(
+            _wide, in_axes=(0, None), axis_name="i", chunk_size=16, keep_boundaries=True
+        )
+        return compiled_bytes(chunked, x, _weights(getkey(), depth))
+
+    shallow, deep = kept_bytes(1), kept_bytes(4)
+    assert deep - shallow < boundary
