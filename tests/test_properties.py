@@ -80,6 +80,12 @@ def _chunked(case: _Case, chunk_size: int) -> Any:
     )
 
 
+# `_f`'s `total` sums sines of order one, which can cancel to near zero: compiled
+# in one program, float32 rounds them otherwise than the eager oracle does (seen:
+# -0.00283185 against -0.00283174), so the tolerance is absolute too.
+ATOL = 1e-6
+
+
 def _oracle(case: _Case) -> Any:
     return eqx.filter_vmap(_f, in_axes=case.in_axes, out_axes=case.out_axes)
 
@@ -87,14 +93,16 @@ def _oracle(case: _Case) -> Any:
 @given(_cases())
 def test_matches_filter_vmap(case):
     expected = _oracle(case)(case.tree)
-    assert tree_allclose(_chunked(case, case.chunk_size)(case.tree), expected)
+    assert tree_allclose(
+        _chunked(case, case.chunk_size)(case.tree), expected, atol=ATOL
+    )
 
 
 @given(_cases())
 def test_chunk_size_does_not_change_result(case):
     a = _chunked(case, case.chunk_size)(case.tree)
     b = _chunked(case, case.other_chunk_size)(case.tree)
-    assert tree_allclose(a, b)
+    assert tree_allclose(a, b, atol=ATOL)
 
 
 @given(_cases())
@@ -134,7 +142,7 @@ def test_numpy_leaves_under_jit(case, data):
         return chunked(dict(case.tree, leaves=tree_leaves, n=n))
 
     actual = run([jnp.asarray(x) for x, t in zip(leaves, traced) if t], jnp.asarray(3))
-    assert tree_allclose(actual, _oracle(case)(case.tree))
+    assert tree_allclose(actual, _oracle(case)(case.tree), atol=ATOL)
 
 
 def _derivative(mode: str, h: Any, leaves: Any, tangents: Any) -> Any:
