@@ -127,11 +127,12 @@ def transformed(
         num_args = len(structs)
         fn, structs = _apply(fn, structs, layer, linearize)
         if layer.kind == "forward" or linearize:
-            fed += sum(_bytes(s) for s in structs[num_args:])
+            fed += sum(argument_bytes(s) for s in structs[num_args:])
     return fn, structs, fed
 
 
-def _bytes(s: jax.ShapeDtypeStruct) -> int:
+def argument_bytes(s: jax.ShapeDtypeStruct) -> int:
+    """The bytes of an argument of type `s` (on each device, if split)."""
     shape = s.shape if s.sharding is None else s.sharding.shard_shape(s.shape)
     return math.prod(shape) * jnp.dtype(s.dtype).itemsize
 
@@ -177,7 +178,7 @@ class ChunkedProgram:
 
         return jax.make_jaxpr(_fn)(self.structs)
 
-    def key(self) -> tuple[Hashable | None, tuple[Layer, ...]]:
+    def key(self) -> tuple[tuple[Hashable, ...] | None, tuple[Layer, ...]]:
         """What measurements depend on (the unchunked program and its callables'
         identities, the inputs' types, the transformations), and the transformations."""
         closed = self.trace(None)
