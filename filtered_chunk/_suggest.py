@@ -33,10 +33,12 @@ def suggest_chunk_size(
 
     A [`filtered_chunk.ChunkSizeChoice`][]: the chosen `chunk_size`, its measured
     `bytes`, the `budget` in bytes, the `(chunk_size, bytes)` pairs `tried`, and why
-    that size: the `largest` that fits, and the speed `model` that chose among the
-    sizes that fit, with its figures (`element_bytes`, `cache_bytes`,
-    `working_set`). The search is the one a call makes (for the program without
-    differentiation) and shares its cache: the call compiles nothing more to choose.
+    that size: the `largest` that fits, and how it was chosen among the sizes
+    that fit (`model`): timed (`times`, and whether they were `stored` by an
+    earlier process), or the speed model, with its figures (`element_bytes`,
+    `cache_bytes`, `working_set`). The search is the one a call makes (for the
+    program without differentiation) and shares its cache: the call compiles
+    nothing more to choose.
 
     !!! example
 

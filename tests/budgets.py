@@ -15,7 +15,6 @@ import numpy as np
 
 import filtered_chunk as fc
 from filtered_chunk._budget import _model
-from filtered_chunk._budget._model import CACHE_FACTOR, MIN_CHUNK
 from filtered_chunk._budget._search import MAX_COMPILATIONS
 
 
@@ -89,30 +88,23 @@ def sizes_of(batch_size: int, remainder: str) -> list[int]:
 def model_size(choice: fc.ChunkSizeChoice, batch_size: int, remainder: str) -> int:
     """The size the speed model runs (before checking that it fits), from the
     rule the docs state: on CPU (`model == "cache"`), the largest size of two or
-    more steps whose working set `chunk_size * element_bytes` is within
-    `CACHE_FACTOR` times the level-2 cache, or the smallest of at least
-    `MIN_CHUNK` elements where that is fewer; else the largest that fits."""
+    more steps whose working set `chunk_size * element_bytes` is within the
+    model's cache (`cache_bytes`), at least one element; else the largest that
+    fits."""
     # The machine the model reads (faked by `tests/test_budget_model.py`).
     backend, cache = _model.backend(), _model.cache_bytes()
     if choice.model == "largest":
-        assert choice.cache_bytes is None
-        # Not on CPU, or one element overflows the cache.
-        assert backend != "cpu" or not (
-            0 < choice.element_bytes <= CACHE_FACTOR * cache
-        )
+        assert choice.cache_bytes is None and backend != "cpu"
         return choice.largest
     assert choice.model == "cache" and backend == "cpu"
     assert choice.cache_bytes == cache and cache is not None
-    assert 0 < choice.element_bytes <= CACHE_FACTOR * cache
-    target = CACHE_FACTOR * cache
-    if max(target // choice.element_bytes, MIN_CHUNK) >= choice.largest:
+    assert choice.element_bytes > 0
+    if max(cache // choice.element_bytes, 1) >= choice.largest:
         return choice.largest  # no cap below the largest
     sizes = sizes_of(batch_size, remainder)
     two_steps = -(-batch_size // 2) if remainder == "overlap" else batch_size // 2
-    under = [k for k in sizes if k * choice.element_bytes <= target and k <= two_steps]
-    if under and under[-1] >= MIN_CHUNK:
-        return min(under[-1], choice.largest)
-    return min(min(k for k in sizes if k >= MIN_CHUNK), choice.largest)
+    under = [k for k in sizes if k * choice.element_bytes <= cache and k <= two_steps]
+    return min(max(under, default=1), choice.largest)
 
 
 def check_largest(

@@ -49,3 +49,14 @@ def choices(monkeypatch) -> list[Any]:
 
     monkeypatch.setattr(filtered_chunk._wrapper, "choose_chunk_size", _spy)
     return found
+
+
+@pytest.fixture(autouse=True)
+def _budgets_by_the_model(monkeypatch):
+    """Memory budgets choose by the speed model, not by timing, unless a test asks
+    (`tests/test_budget_default.py` checks the default's timing), and store no
+    timed choice on disk: every test's choice is its own."""
+    import filtered_chunk._budget._timing as timing
+
+    monkeypatch.setattr(timing, "BY_DEFAULT", False)
+    monkeypatch.setenv("FILTERED_CHUNK_CACHE_DIR", "")

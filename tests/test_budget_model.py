@@ -1,9 +1,10 @@
 """The speed model of a memory budget (`filtered_chunk/_budget/_model.py`): among
 the sizes that fit, on CPU a size whose working set stays in a (here faked)
-level-2 cache, else the largest; on other backends the largest. Every choice is
+cache, at least one element; on other backends the largest. Every choice is
 checked against the memory oracle of `tests/budgets.py` (the public transform at
 that fixed size, compiled) and its result against `jax.vmap`'s."""
 
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -66,46 +67,41 @@ def _check_fits_and_matches(
 @pytest.mark.parametrize("fraction", (1.0, 0.5, 0.2))
 def test_cpu_caps_the_working_set_at_the_cache(fake_machine, fraction):
     budget = int(fraction * _bytes_at(None))
-    cache = 2**17  # a chunk of 2 * 128 KiB: about 16 elements of 16 KiB
+    cache = 2**18  # a working set of 256 KiB: about 16 elements of 16 KiB
     fake_machine("cpu", cache)
     choice, chunked = _choose(budget)
     _check_fits_and_matches(choice, chunked)
     assert choice.model == "cache" and choice.cache_bytes == cache
     assert choice.element_bytes >= 64 * 64 * 4
-    cap = model.CACHE_FACTOR * cache // choice.element_bytes
-    assert model.MIN_CHUNK <= cap < choice.largest
+    cap = cache // choice.element_bytes
+    assert 8 <= cap < choice.largest
     # Balanced (`remainder="overlap"`): the largest balanced size under the cap.
     assert choice.chunk_size == -(-_N // -(-_N // cap))
     # The largest that fits is still found and reported, by the oracle.
     check_largest(_bytes_at, choice, budget, _N)
 
 
-def test_cpu_never_below_the_floor(fake_machine):
-    fake_machine("cpu", 2**15)  # a cap of about 4 elements
-    choice, chunked = _choose(_bytes_at(None))
-    _check_fits_and_matches(choice, chunked)
-    assert model.CACHE_FACTOR * 2**15 // choice.element_bytes < model.MIN_CHUNK
-    assert choice.chunk_size == -(-_N // -(-_N // model.MIN_CHUNK)) == 8
-
-
-def test_the_floor_rounds_up_to_a_balanced_size(fake_machine):
-    # 20 elements: the balanced sizes near the floor of 8 are 7 and 10, so a cap
-    # below 8 runs 10 per chunk (two steps), not 7.
+def test_the_cap_rounds_down_to_a_balanced_size(fake_machine):
+    # 20 elements: the balanced sizes near 8 are 7 and 10, so a cap of 8 or 9
+    # runs 7 per chunk (three steps), not 10.
     xs = _XS[:20]
-    fake_machine("cpu", 2**15)
+    fake_machine("cpu", 2**10)
+    element = _choose(_bytes_at(None, xs), xs)[0].element_bytes
+    fake_machine("cpu", 8 * element + element // 2)
     choice, chunked = _choose(_bytes_at(None, xs), xs)
     _check_fits_and_matches(choice, chunked, xs)
     assert choice.model == "cache" and choice.largest == 20
-    assert choice.chunk_size == 10
+    assert choice.chunk_size == 7
     check_largest(lambda k: _bytes_at(k, xs), choice, choice.budget, 20)
 
 
-def test_cpu_keeps_the_largest_when_one_element_overflows_the_cache(fake_machine):
-    fake_machine("cpu", 2**10)  # 2 KiB: one element's 16 KiB never stays in it
+def test_cpu_runs_one_element_a_chunk_when_one_overflows_the_cache(fake_machine):
+    fake_machine("cpu", 2**10)  # 1 KiB: one element's 16 KiB never stays in it
     budget = _bytes_at(None) // 3
     choice, chunked = _choose(budget)
     _check_fits_and_matches(choice, chunked)
-    assert choice.model == "largest" and choice.chunk_size == choice.largest
+    assert choice.model == "cache" and choice.element_bytes > 2**10
+    assert choice.chunk_size == 1 < choice.largest
     check_largest(_bytes_at, choice, budget, _N)
 
 
@@ -145,6 +141,7 @@ def test_the_choice_is_deterministic(fake_machine):
     budget = _bytes_at(None) // 2
     fake_machine("cpu", 2**17)
     first, _ = _choose(budget)
+    assert first.chunk_size < first.largest
     search._measured.clear()
     search._chosen.clear()
     again, _ = _choose(budget)
@@ -187,8 +184,36 @@ def test_the_model_stays_within_the_search_bound(fake_machine, monkeypatch):
 
 def test_the_cache_size_is_read_from_the_system():
     size = model.cache_bytes()
-    assert isinstance(size, int) and size >= 2**10
+    assert isinstance(size, int) and size >= 2 * 2**10
     assert model._parse_size("2048K\n") == 2**21
     assert model._parse_size("1M") == 2**20
     assert model._parse_size("512") == 512
     assert model._parse_size("") is None
+
+
+def _fake_caches(path: Path, sizes: dict[int, str]) -> None:
+    # sysfs's layout: one folder per cache, level 1 split into data and code.
+    caches = [(1, "Data", "32K"), (1, "Instruction", "32K")]
+    caches += [(level, "Unified", size) for level, size in sorted(sizes.items())]
+    for i, (level, kind, size) in enumerate(caches):
+        index = path / f"index{i}"
+        index.mkdir()
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (index / name).write_text(f"{text}\n")
+
+
+@pytest.mark.parametrize(
+    "sizes, expected",
+    (
+        # A quarter of the level-3 cache, within 2 and 8 level-2 caches.
+        ({2: "1024K", 3: "32768K"}, 8 * 2**20),
+        ({2: "2048K", 3: "16M"}, 4 * 2**20),
+        ({2: "512K", 3: "2M"}, 2**20),
+        ({2: "2048K", 3: "307200K"}, 16 * 2**20),
+        ({2: "1024K"}, 2 * 2**20),
+    ),
+)
+def test_the_cache_size_reads_both_levels(monkeypatch, tmp_path, sizes, expected):
+    _fake_caches(tmp_path, sizes)
+    monkeypatch.setattr(model, "_CACHE_DIR", tmp_path)
+    assert model.cache_bytes.__wrapped__() == expected

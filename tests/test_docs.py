@@ -2,7 +2,8 @@
 
 The blocks of one page run in order in one namespace, as a reader would run them,
 under JAX's default configuration (not the strict one of `conftest.py`), as a user
-would.
+would, and with a memory budget's default timing on (each test storing its timed
+choices in a folder of its own, and timing for about a second).
 """
 
 import inspect
@@ -25,6 +26,15 @@ PAGES = sorted(
 PUBLIC = sorted(
     name for name, obj in vars(fc).items() if not name.startswith("_") and callable(obj)
 )
+
+
+@pytest.fixture(autouse=True)
+def _default_timing(monkeypatch, tmp_path):
+    import filtered_chunk._budget._timing as timing
+
+    monkeypatch.setattr(timing, "BY_DEFAULT", True)
+    monkeypatch.setattr(timing, "FLOOR_SECONDS", 1.0)
+    monkeypatch.setenv("FILTERED_CHUNK_CACHE_DIR", str(tmp_path / "choices"))
 
 
 def blocks(text: str) -> list[str]:

@@ -1,9 +1,8 @@
 """The speed model: which of the chunk sizes that fit a budget to run. On CPU a
-chunk whose working set stays in the core's cache runs faster than the whole batch
-in one `vmap` (`benchmarks/budget.py`): the chunk size is capped to keep
-`element_bytes * chunk_size` within `CACHE_FACTOR` level-2 caches, at least
-`MIN_CHUNK`, unless one element overflows it (nothing stays in cache; larger chunks
-run fewer operations). Elsewhere the largest size that fits runs (unmeasured: no
+chunk whose working set stays in the caches runs faster than the whole batch in one
+`vmap`, and faster than chunks of one or two elements (`benchmarks/budget.py`): the
+chunk size is capped to keep `element_bytes * chunk_size` within `cache_bytes()`, at
+least one element. Elsewhere the largest size that fits runs (unmeasured: no
 accelerator was at hand).
 """
 
@@ -14,9 +13,17 @@ from pathlib import Path
 import jax
 
 
-CACHE_FACTOR = 2
-# Never fewer elements per chunk than this (unless the budget forces it): below,
-# the loop's per-step overhead outweighs what the cache saves.
+# The working set a chunk is sized to: a quarter of the level-3 cache, within two
+# and eight level-2 caches of one core. Fitted on `benchmarks/budget.py`'s twelve
+# workloads (1 MiB level-2, 32 MiB level-3 cache): each ran fastest, or within its
+# timing noise of fastest, with a working set of 4-16 MiB, whether one element
+# needed 33 KiB (chunks of 128-256) or 4 MiB (chunks of one or two). Twice the
+# level-2 cache alone left the chunks 2-8 times too small.
+L2_FACTORS = (2, 8)
+L3_FRACTION = 4
+# Never fewer elements per chunk than this where the staged engine keeps stage
+# boundaries to fit a budget (`_search.keep_if_fits`): below, the loop's per-step
+# overhead outweighs the passes saved.
 MIN_CHUNK = 8
 DEFAULT_CACHE_BYTES = 2**20
 _CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -29,23 +36,35 @@ def _parse_size(text: str) -> int | None:
     return int(digits) * scale if digits.isdecimal() else None
 
 
-@ft.cache
-def cache_bytes() -> int:
-    """One core's level-2 cache: from sysfs, else `os.sysconf`, else the default."""
+def _cache_sizes() -> dict[int, int]:
+    """One core's data caches by level: from sysfs, else `os.sysconf`."""
+    sizes = {}
     for index in sorted(_CACHE_DIR.glob("index*")):
         try:
-            level = (index / "level").read_text().strip()
+            level = int((index / "level").read_text())
             kind = (index / "type").read_text().strip()
             size = _parse_size((index / "size").read_text())
-        except OSError:
+        except (OSError, ValueError):
             continue
-        if level == "2" and kind in ("Unified", "Data") and size:
-            return size
-    try:
-        size = os.sysconf("SC_LEVEL2_CACHE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        size = 0
-    return size if size > 0 else DEFAULT_CACHE_BYTES
+        if kind in ("Unified", "Data") and size:
+            sizes[level] = size
+    for level in () if sizes else (2, 3):
+        try:
+            size = os.sysconf(f"SC_LEVEL{level}_CACHE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            size = 0
+        if size > 0:
+            sizes[level] = size
+    return sizes
+
+
+@ft.cache
+def cache_bytes() -> int:
+    """The working set the model sizes a chunk to (`L2_FACTORS`, `L3_FRACTION`),
+    from the level-2 cache (else `DEFAULT_CACHE_BYTES`) and the level-3 cache."""
+    sizes = _cache_sizes()
+    lo, hi = (f * sizes.get(2, DEFAULT_CACHE_BYTES) for f in L2_FACTORS)
+    return min(max(sizes.get(3, 0) // L3_FRACTION, lo), hi)
 
 
 def backend() -> str:
@@ -55,9 +74,6 @@ def backend() -> str:
 
 def cache_cap(element_bytes: int) -> int | None:
     """The largest chunk size to run (`None`: the largest that fits)."""
-    if backend() != "cpu":
+    if backend() != "cpu" or element_bytes <= 0:
         return None
-    target = CACHE_FACTOR * cache_bytes()
-    if element_bytes <= 0 or element_bytes > target:
-        return None
-    return max(target // element_bytes, MIN_CHUNK)
+    return max(cache_bytes() // element_bytes, 1)

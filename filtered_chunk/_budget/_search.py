@@ -8,19 +8,22 @@ its smallest size fits (`_secant`). One element per chunk need not be the smalle
 program (a collective's staged program, or XLA's schedule of a small derivative,
 can need more, issue 23, item 7): where no range's ends fit, sizes across the
 smallest range are measured (`_probes`) before the budget is refused. Measurements
-are cached on the traced program, choices also on the machine the model reads.
+are cached on the traced program, choices also on the machine the model reads;
+timed choices (`_timing.py`) are also stored on disk (`_store.py`).
 """
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
 from jaxtyping import PyTree
 
 from .._loop import Steps
-from . import _model, _timing
-from ._program import ChunkedProgram, linearisation, Measured
+from . import _model, _store, _timing
+from ._free_memory import available_bytes
+from ._program import argument_bytes, ChunkedProgram, linearisation, Measured
 from ._values import ChunkSizeChoice, format_bytes, MemoryBudget
 
 
@@ -237,9 +240,8 @@ def _element_bytes(measured: dict[int, int], sizes: _Sizes) -> int:
 
 def _model_size(sizes: _Sizes, cap: int) -> int:
     """The size the model runs for a cap: the largest not above it that runs two or
-    more steps, but at least `MIN_CHUNK` elements."""
-    k = sizes.at_most(min(cap, _segments(sizes)[-1][1]))
-    return k if k >= _model.MIN_CHUNK else sizes.above(_model.MIN_CHUNK - 1)
+    more steps."""
+    return sizes.at_most(min(cap, _segments(sizes)[-1][1]))
 
 
 def measure_bytes(
@@ -289,6 +291,77 @@ def keep_if_fits(
     return dataclasses.replace(choice, chunk_size=k, bytes=found, keep_boundaries=True)
 
 
+def _fits(
+    k: int,
+    sizes: _Sizes,
+    largest: int,
+    measure: Callable[[int], Measured],
+    limit: int,
+) -> bool:
+    """Whether a stored size is one the loop runs at, and fits as measured now."""
+    runs_at = 1 <= k <= largest and sizes.at_most(k) == k
+    return runs_at and measure(k).total <= limit
+
+
+def _neighbours(k: int, largest: int, at_most: Callable[[int], int]) -> list[int]:
+    """The sizes a descent from `k` may time: `k` doubled and halved up to three
+    times, rounded down to sizes that run, at most `largest`, ascending."""
+    steps = [k * 2.0**j for j in range(-3, 4)]
+    return sorted({at_most(max(1, min(largest, math.floor(s)))) for s in steps})
+
+
+def _bounded(
+    k: int,
+    ladder: list[int],
+    measure: Callable[[int], Measured],
+    run: Callable[[int], Callable[[], Any]],
+    limit: int,
+    allowance: float,
+    per_size: float,
+    argument_bytes: int,
+) -> dict[int, float]:
+    """The default's timing, within `allowance` seconds after the model's size `k`
+    is timed: a descent along `ladder` (ascending, holding `k`) from the fastest
+    size so far to its untimed neighbours (the larger first), and from those
+    within `_timing.TIE` of it (a plateau, where one run's noise could stop a
+    descent), each while it fits the budget and the time left (its compilation,
+    `per_size` seconds, and two runs at the speed of the fastest so far); each
+    size the fastest of up to three runs (`_timing.sample`). Then rounds while
+    time is left. Empty (the model's choice stands) where fewer than two sizes
+    fit, or where a copy of the arguments beside the budget could crowd the
+    free memory."""
+    if argument_bytes + limit > available_bytes() // 2:
+        return {}
+    warm = {k: _timing.sample(run(k))}  # also makes the example arguments
+    end = time.perf_counter() + allowance
+    refused: set[int] = set()
+    while True:
+        # The untimed neighbours of the sizes within `_timing.TIE` of the fastest,
+        # the fastest's first: a descent that also walks along a plateau.
+        fastest = min(warm.values())
+        near: list[int] = []
+        for t in sorted(warm, key=lambda t: (warm[t], t)):
+            if warm[t] > fastest * (1 + _timing.TIE):
+                break
+            i = ladder.index(t)
+            near += ladder[i + 1 : i + 2] + ladder[max(i - 1, 0) : i]
+        near = [s for s in near if s not in warm and s not in refused]
+        if not near:
+            break
+        s = near[0]
+        if end - time.perf_counter() < per_size + 2 * max(fastest, _timing.SAMPLE):
+            break
+        if measure(s).total <= limit:
+            warm[s] = _timing.sample(run(s))
+        else:
+            refused.add(s)
+    if len(warm) < 2:
+        return {}
+    runs = {s: run(s) for s in warm}
+    budget = max(end - time.perf_counter(), 0.0)
+    return _timing.time_each(runs, budget, min_rounds=0, warm=warm)
+
+
 def choose_chunk_size(
     run: Callable[[int | None, Any], Any],
     tree: PyTree[Any],
@@ -300,10 +373,17 @@ def choose_chunk_size(
     api: str,
 ) -> ChunkSizeChoice:
     """The chunk size for `run(chunk_size, tree)` (`None`: the whole batch): the
-    largest measured to fit `budget`, or the speed model's if smaller and fitting."""
+    largest measured to fit `budget`, or the speed model's if smaller and fitting,
+    or (`_timing.mode`) the fastest of a few that fit, timed or stored."""
+    start = time.perf_counter()
     program = ChunkedProgram(run, tree)
     limit = budget.resolve()
+    timing = _timing.mode(budget.tune, _model.backend())
     base, layers = program.key()
+    # What a stored timing is keyed by: no callable's identity, which no later
+    # process shares (a timing is only ever a speed, never a byte count).
+    stored_as = None if base is None else (base[0], *base[2:])
+    stored_as = (stored_as, batch_size, remainder, options, limit)
     reverse = any(layer.kind == "reverse" for layer in layers)
     machine = (_model.backend(), _model.cache_bytes())  # the model reads
     base = None if base is None else (base, batch_size, remainder, options)
@@ -312,21 +392,32 @@ def choose_chunk_size(
         return _chosen[choice_key]
     tried: dict[int, Measured] = {}
     complete: set[int] = set()  # sizes measured as every program they run
-    runs: dict[int, Callable[[], Any]] = {}  # to time, with `tune`
+    runs: dict[int, Callable[[], Any]] = {}  # to time
+    compiling = [0.0]  # seconds, for the default's bound
     chunk = lambda k: None if k >= batch_size else k  # noqa: E731
 
     def _once(k: int, linearize: bool) -> Measured | None:
         key = None if base is None else (base, k, linearize)
         if key in _measured:
             return _measured[key]
+        begin = time.perf_counter()
         if linearize:
             found = linearisation(program, chunk(k))
         else:
             found, run = program.compile(chunk(k))
-            if budget.tune:  # the program that runs, to time
+            if timing:  # the program that runs, to time
                 runs[k] = run
+        compiling[0] += time.perf_counter() - begin
         _remember(_measured, key, found)
         return found
+
+    def _run(k: int) -> Callable[[], Any]:
+        # Sizes measured from the cache, which keeps no compiled programs, compile.
+        if k not in runs:
+            begin = time.perf_counter()
+            runs[k] = program.compile(chunk(k))[1]
+            compiling[0] += time.perf_counter() - begin
+        return runs[k]
 
     def _measure(k: int, full: bool = False) -> Measured:
         # Reverse mode is a pullback or a linearisation (none under a `custom_vjp`):
@@ -358,14 +449,33 @@ def choose_chunk_size(
     if capped < largest and (capped in tried or len(tried) < MAX_COMPILATIONS):
         k = capped if _measure(capped).total <= limit else largest
     times: dict[int, float] = {}
-    if budget.tune:
-        # Sizes from half the model's to the largest, each measured to fit; those
-        # measured from the cache, which keeps no compiled programs, compile anew.
-        ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
-        fitting = [s for s in sorted({*ladder, k}) if _measure(s).total <= limit]
-        runs |= {s: program.compile(chunk(s))[1] for s in fitting if s not in runs}
-        times = _timing.time_each({s: runs[s] for s in fitting})
-        k = min(times, key=lambda s: (times[s], s))
+    stored = False
+    if timing:
+        name = _store.key(stored_as) if base is not None else None
+        found = _store.read(name)
+        if found is not None and _fits(found[0], sizes, largest, _measure, limit):
+            (k, old), stored = found, True
+            times = dict(old)
+        else:
+            if timing == "always":  # sizes from half the model's to the largest
+                ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
+                fitting = [
+                    s for s in sorted({*ladder, k}) if _measure(s).total <= limit
+                ]
+                times = _timing.time_each({s: _run(s) for s in fitting})
+            else:
+                # A descent from the model's size, within a bound.
+                spent = time.perf_counter() - start
+                allowance = max(_timing.FLOOR_SECONDS, _timing.SEARCH_FACTOR * spent)
+                per_size = compiling[0] / max(len(tried), 1)
+                arguments = sum(map(argument_bytes, program.structs))
+                ladder = _neighbours(k, largest, sizes.at_most)
+                times = _bounded(
+                    k, ladder, _measure, _run, limit, allowance, per_size, arguments
+                )
+            if times:
+                k = min(times, key=lambda s: (times[s], s))
+                _store.write(name, k, times)
     chosen = ChunkSizeChoice(
         k,
         tried[k].total,
@@ -373,6 +483,7 @@ def choose_chunk_size(
         tuple((s, tried[s].total) for s in sorted(tried)),
         largest=largest,
         model="timed" if times else "largest" if cap is None else "cache",
+        stored=stored,
         element_bytes=element,
         cache_bytes=machine[1] if cap is not None else None,
         working_set=tuple((s, s * element) for s in sorted(tried)),

@@ -1,8 +1,11 @@
-"""Timing the chunk sizes that fit a budget, for `MemoryBudget(..., tune=True)`. The
-speed model (`_model.py`) reads bytes, blind to some of what sets the speed: an
-MLP's weights are reused by every element of a chunk, so its gradient ran fastest
-at chunks several times the model's size (`benchmarks/budget.py`, workload (f)).
-Only when asked: timings vary from run to run, the model's choice does not.
+"""Timing the chunk sizes that fit a budget. The speed model (`_model.py`) reads
+bytes, blind to some of what sets the speed: an MLP's weights are reused by every
+element of a chunk, so its gradient ran fastest at chunks several times the model's
+size (`benchmarks/budget.py`, workload (f)). By default (`MemoryBudget(...,
+tune=None)`) on CPU the sizes are timed where that costs at most
+`max(FLOOR_SECONDS, SEARCH_FACTOR * the search's own seconds)` more; with
+`tune=True` always, on any device; with `tune=False` never. A timed choice is
+stored (`_store.py`): later processes reuse it, so it does not vary between them.
 """
 
 import math
@@ -18,19 +21,42 @@ import numpy as np
 
 # The sizes timed: a geometric ladder of this many, plus the model's own size.
 LADDER = 5
-# Interleaved rounds after the warm-up, stopping early once the rounds have taken
-# `SECONDS` (but after at least `MIN_ROUNDS`). A run shorter than `SAMPLE` seconds
-# is repeated within its sample, so that a sample outlasts the timer's noise.
+# Interleaved rounds after the warm-up, stopping early before they would take
+# more than `SECONDS` with the warm-ups (but after at least `MIN_ROUNDS`). A run shorter
+# than `SAMPLE` seconds is repeated within its sample, so that a sample outlasts
+# the timer's noise.
 ROUNDS = 5
 MIN_ROUNDS = 2
 SECONDS = 4.0
 SAMPLE = 0.01
+# A size the default's descent times runs twice more where that takes at most
+# this many seconds (else once): one run can be a fifth slower or faster.
+SAMPLE_WITHIN = 0.5
+# The default's descent goes on from sizes this much slower than the fastest: a
+# plateau of sizes within it is walked, not taken for a minimum.
+TIE = 0.25
+# The default's bound on what timing adds to a search, in seconds: the compilations
+# of the sizes timed and their runs.
+FLOOR_SECONDS = 4.0
+SEARCH_FACTOR = 0.5
+# Whether `tune=None` times at all (the tests turn it off where they check the
+# model, and on where they check the default).
+BY_DEFAULT = True
 
 
-def ladder(lo: int, hi: int, at_most: Callable[[int], int]) -> list[int]:
-    """`LADDER` sizes from `lo` to `hi` (`1 <= lo <= hi`), evenly spaced on a log
+def mode(tune: bool | None, backend: str) -> str | None:
+    """`"always"` (`tune=True`), `"bounded"` (the default, on CPU) or `None`."""
+    if tune is None:
+        return "bounded" if BY_DEFAULT and backend == "cpu" else None
+    return "always" if tune else None
+
+
+def ladder(
+    lo: int, hi: int, at_most: Callable[[int], int], count: int = LADDER
+) -> list[int]:
+    """`count` sizes from `lo` to `hi` (`1 <= lo <= hi`), evenly spaced on a log
     scale and rounded down to sizes that run (`at_most`), without repeats."""
-    steps = [lo * (hi / lo) ** (i / (LADDER - 1)) for i in range(LADDER)]
+    steps = [lo * (hi / lo) ** (i / (count - 1)) for i in range(count)]
     sizes = [at_most(max(1, min(hi, math.floor(k + 1e-9)))) for k in steps]
     return sorted({*sizes, hi})
 
@@ -80,25 +106,50 @@ def example_arguments(
     return arguments
 
 
-def _seconds(run: Callable[[], Any], repeats: int) -> float:
+def seconds(run: Callable[[], Any], repeats: int = 1) -> float:
+    """The mean seconds of `repeats` runs."""
     begin = time.perf_counter()
     for _ in range(repeats):
         jax.block_until_ready(run())
     return (time.perf_counter() - begin) / repeats
 
 
-def time_each(runs: dict[int, Callable[[], Any]]) -> dict[int, float]:
+def sample(run: Callable[[], Any], within: float = SAMPLE_WITHIN) -> float:
+    """The fastest of two more runs after a first one (which can pay for
+    first-use costs), each repeated to outlast the timer's noise (`SAMPLE`), where
+    the two take at most `within` seconds at the first's speed; else the first."""
+    first = max(seconds(run), 1e-6)
+    repeats = min(max(math.ceil(SAMPLE / first), 1), 100)
+    more = 2 if 2 * first * repeats <= within else 0
+    return min((seconds(run, repeats) for _ in range(more)), default=first)
+
+
+def time_each(
+    runs: dict[int, Callable[[], Any]],
+    budget: float | None = None,
+    min_rounds: int = MIN_ROUNDS,
+    warm: dict[int, float] | None = None,
+) -> dict[int, float]:
     """The fastest seconds of a run of each, after a warm-up, in up to `ROUNDS`
-    interleaved rounds (the order rotating). The fastest, not the median: what else
-    runs only ever adds time, and in a few rounds one slow round moves a median."""
-    warm = {k: max(_seconds(run, 1), 1e-6) for k, run in runs.items()}  # warm-ups
+    interleaved rounds (the order rotating), stopping before the warm-ups and
+    rounds would take more than `budget` seconds (`SECONDS` by default), after at
+    least `min_rounds`.
+    `warm`: the seconds of warm-up runs already made, by size; with `min_rounds=0`
+    a size no round reached is timed by its warm-up. The fastest, not the median:
+    what else runs only ever adds time, and in a few rounds one slow round moves a
+    median."""
+    budget = SECONDS if budget is None else budget
+    start = time.perf_counter()
+    warm = dict(warm or {})
+    warm |= {k: seconds(run) for k, run in runs.items() if k not in warm}  # warm-ups
+    warm = {k: max(t, 1e-6) for k, t in warm.items()}
     repeats = {k: min(max(math.ceil(SAMPLE / t), 1), 100) for k, t in warm.items()}
     keys = sorted(runs)
     times: dict[int, list[float]] = {k: [] for k in keys}
-    start = time.perf_counter()
+    expected = sum(warm[k] * repeats[k] for k in keys)  # the seconds of a round
     for r in range(ROUNDS):
-        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
-            times[k].append(_seconds(runs[k], repeats[k]))
-        if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > SECONDS:
+        if r >= min_rounds and time.perf_counter() - start + expected > budget:
             break
-    return {k: min(t) for k, t in times.items()}
+        for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
+            times[k].append(seconds(runs[k], repeats[k]))
+    return {k: min(t) if t else warm[k] for k, t in times.items()}

@@ -56,9 +56,8 @@ def _parse_bytes(text: str) -> int:
 
 class MemoryBudget(eqx.Module):
     """A memory budget for a chunked call: given as `chunk_size` to any chunked
-    transform, it chooses a chunk size whose compiled program fits: the largest, or
-    on CPU a smaller one whose working set stays in cache, or with `tune=True` the
-    fastest of a few, timed.
+    transform, it chooses a chunk size whose compiled program fits: on CPU the
+    fastest of a few such sizes, timed on this machine (`tune`), else the largest.
 
     The budget bounds what the chunked call allocates beyond its arguments: XLA's
     temporary plus output bytes (`memory_analysis()`) of the compiled program that
@@ -87,17 +86,34 @@ class MemoryBudget(eqx.Module):
           system's available memory and what the process's memory cgroups have
           left, so that a container's limit counts).
 
-    - `tune`: keyword-only. If `True`, the chunk size is the fastest of a few that
-        fit, timed on this machine, rather than the speed model's guess: up to six
-        sizes from half the model's size to the largest that fits (a geometric
-        ladder), each measured to fit, compiled, and run after a warm-up in up to
-        five interleaved rounds (stopping after about four seconds) on random inputs
-        of the call's shapes (its own concrete arrays where it has them); the
-        fastest run wins. It costs, once per search (the choice is cached), up to
-        six more compilations (two programs a size under reverse mode), a few runs
-        of the call, and memory for a copy of its arguments beside the budget.
-        Timings vary, so two processes may choose differently: for a reproducible
-        program, fix the size `suggest_chunk_size` reports. Defaults to `False`.
+    - `tune`: keyword-only. How to choose among the sizes that fit:
+        - `None` (the default): on CPU, by timing them where that is cheap: from
+          the speed model's size (see `ChunkSizeChoice`'s `model`), a descent
+          along that size doubled and halved up to three times either way, each
+          measured to fit, compiled, and run on random inputs of the call's
+          shapes (its own concrete arrays where it has them): the larger
+          neighbour of the fastest so far first, then the smaller, until both
+          neighbours of the fastest are timed; the fastest run wins. The timing
+          adds at most about four seconds, or half as long as the search itself
+          took if that is longer (the search compiles the call at a few sizes),
+          beyond timing the model's size, which tells how long a run takes: each
+          size is timed (the fastest of up to three runs) only while its
+          compilation and two runs fit the time left.
+          Where not even two sizes fit, or where a copy of the call's arguments
+          beside the budget would take more than half the free memory, the speed
+          model chooses. On GPU/TPU the largest size that fits.
+        - `True`: always by timing, on any device, without that bound (up to
+          five interleaved rounds, stopping after about four seconds).
+        - `False`: by the speed model alone, never timed: the same choice in
+          every process, at no cost beyond the search.
+
+        A timed choice is stored on disk and reused by later processes on the
+        same machine for the same program, budget and versions, so it does not
+        vary between them and is timed once: in the folder
+        `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
+        nothing), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache`). Only
+        the size is stored: its bytes are measured anew in every search, so a
+        stored choice never breaks the budget. Delete the folder to time anew.
 
     `chunk_size="auto"` is `MemoryBudget(0.8)`, leaving room for what XLA's estimate
     does not count (the allocator's fragmentation, other live arrays).
@@ -122,15 +138,15 @@ class MemoryBudget(eqx.Module):
 
     bytes: int | None = eqx.field(static=True)
     fraction: float | None = eqx.field(static=True)
-    tune: bool = eqx.field(static=True)
+    tune: bool | None = eqx.field(static=True)
 
-    def __init__(self, size: Any, *, tune: bool = False):  # `size` checked by value
-        if not isinstance(tune, bool | np.bool_):
+    def __init__(self, size: Any, *, tune: bool | None = None):  # checked by value
+        if tune is not None and not isinstance(tune, bool | np.bool_):
             raise TypeError(
-                f"`MemoryBudget(..., tune=...)` must be `True` or `False`, got "
-                f"{type(tune).__name__} object {tune!r}."
+                f"`MemoryBudget(..., tune=...)` must be `None`, `True` or `False`, "
+                f"got {type(tune).__name__} object {tune!r}."
             )
-        self.tune = bool(tune)
+        self.tune = None if tune is None else bool(tune)
         if isinstance(size, str):
             self.bytes, self.fraction = _parse_bytes(size), None
         elif isinstance(size, bool) or not isinstance(size, _NUMBERS):
@@ -161,7 +177,8 @@ class MemoryBudget(eqx.Module):
 
     def __repr__(self) -> str:
         size = self.fraction if self.bytes is None else self.bytes
-        return f"MemoryBudget({size}{', tune=True' if self.tune else ''})"
+        tune = "" if self.tune is None else f", tune={self.tune}"
+        return f"MemoryBudget({size}{tune})"
 
     def resolve(self) -> int:
         """The budget in bytes (for a fraction, of the memory free now)."""
@@ -228,20 +245,29 @@ class ChunkSizeChoice(eqx.Module):
     - `budget`: the budget in bytes.
     - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
     - `largest`: the largest size measured to fit (whose next size up does not).
-    - `model`: `"cache"` on CPU where one element's working set fits the cache: the
-        chunk size is capped to keep `chunk_size * element_bytes` within twice the
-        level-2 cache (`cache_bytes`), at least 8 elements, and runs if it fits as
-        measured (else `largest`); `"largest"` where one element overflows the
-        cache, and always on GPU/TPU (unmeasured there).
+    - `model`: how `chunk_size` was chosen among the sizes that fit:
+        - `"timed"`: the fastest of the sizes in `times` (`MemoryBudget(...,
+          tune=None)` on CPU, or `tune=True`);
+        - `"cache"`: the speed model, on CPU: the chunk size is capped to keep
+          `chunk_size * element_bytes` within `cache_bytes`, at least one
+          element, and runs if it fits as measured (else `largest`). With
+          `tune=None`, where timing would cost more than its bound;
+        - `"largest"`: by default on GPU/TPU.
     - `element_bytes`: the model's working set per element: the slope of the bytes
         over the sizes tried that run two or more steps, else the whole batch's
         bytes over its size.
-    - `cache_bytes`: the level-2 cache the model read (`None` for `"largest"`).
+    - `cache_bytes`: the working set the model sizes a chunk to (`None` for
+        `"largest"`): a quarter of the level-3 cache the system reports, within
+        two and eight times one core's level-2 cache. On a machine with 1 MiB of
+        level-2 and 32 MiB of level-3 cache that is 8 MiB, where the workloads of
+        `benchmarks/budget.py` ran fastest or within their timing noise of it.
     - `working_set`: `(chunk_size, chunk_size * element_bytes)`, the model's figure
         for every size tried.
-    - `times`: with `MemoryBudget(..., tune=True)`, `(chunk_size, seconds)` for every
-        size timed (its fastest run), by size; the fastest is `chunk_size` and
-        `model` is `"timed"`. Empty otherwise.
+    - `times`: for `"timed"`, `(chunk_size, seconds)` for every size timed (its
+        fastest run), by size; the fastest is `chunk_size`. Empty otherwise.
+    - `stored`: whether `times` were read from disk, timed by an earlier search
+        for the same program, budget and machine (see `MemoryBudget`'s `tune`),
+        rather than in this one.
     - `keep_boundaries`: whether the call runs with `keep_boundaries=True`: with
         collectives across chunks, each pass over the batch then keeps the
         per-element values the next resumes from, in buffers that `bytes`
@@ -278,4 +304,5 @@ class ChunkSizeChoice(eqx.Module):
     cache_bytes: int | None
     working_set: tuple[tuple[int, int], ...]
     times: tuple[tuple[int, float], ...] = ()
+    stored: bool = False
     keep_boundaries: bool = False

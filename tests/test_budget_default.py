@@ -1,0 +1,255 @@
+"""The default choice of a memory budget (`MemoryBudget(..., tune=None)`): on CPU the
+fastest of a few sizes that fit, timed within a bound on its cost, and stored on
+disk so that a later process reuses it (`filtered_chunk/_budget/_store.py`). Every
+size timed is checked against the memory oracle of `tests/budgets.py`."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import filtered_chunk as fc
+import filtered_chunk._budget._model as model
+import filtered_chunk._budget._search as search
+import filtered_chunk._budget._store as store
+import filtered_chunk._budget._timing as timing
+
+from .budgets import compiled_bytes, derivative_bytes
+from .helpers import tree_allclose
+
+
+def _fun(x: jax.Array) -> jax.Array:
+    return jnp.tanh(jnp.outer(x, x)) @ x  # 16 KiB of working set per element
+
+
+_N = 200
+_XS = jr.normal(jr.key(3), (_N, 64), jnp.float32)
+
+
+def _bytes_at(k: int | None) -> int:
+    return compiled_bytes(fc.filter_chunked_vmap(_fun, chunk_size=k), _XS)
+
+
+@pytest.fixture
+def default(monkeypatch, tmp_path):
+    """The default's timing on, on a CPU with a 128 KiB level-2 cache (the model's
+    size is about 16 elements), a store of its own, empty in-memory caches, and a
+    record of what is timed."""
+    monkeypatch.setattr(timing, "BY_DEFAULT", True)
+    monkeypatch.setattr(timing, "FLOOR_SECONDS", 1.0)  # quicker, fewer sizes
+    monkeypatch.setattr(model, "backend", lambda: "cpu")
+    monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)
+    monkeypatch.setenv(store.ENVIRONMENT, str(tmp_path / "choices"))
+    timed: list[list[int]] = []
+    real = timing.time_each
+
+    def _recording(runs: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
+        timed.append(sorted(runs))
+        return real(runs, *args, **kwargs)
+
+    monkeypatch.setattr(timing, "time_each", _recording)
+    _forget()
+    yield timed
+    _forget()
+
+
+def _forget() -> None:
+    """What a new process would not know: the in-memory caches."""
+    search._measured.clear()
+    search._chosen.clear()
+
+
+def _choose(budget: int, tune: bool | None = None) -> fc.ChunkSizeChoice:
+    chunked = fc.filter_chunked_vmap(
+        _fun, chunk_size=fc.MemoryBudget(budget, tune=tune)
+    )
+    return fc.suggest_chunk_size(chunked, _XS)
+
+
+def _check_timed(choice: fc.ChunkSizeChoice) -> list[int]:
+    """At least two sizes timed, each measured to fit (by the oracle), from the
+    model's own size along its neighbours (doubled and halved): the fastest is
+    chosen. Returns the neighbours."""
+    times = dict(choice.times)
+    assert choice.model == "timed" and len(times) >= 2
+    assert choice.chunk_size == min(times, key=lambda k: (times[k], k))
+    for k in times:
+        assert _bytes_at(k if k < _N else None) <= choice.budget
+    assert choice.bytes == dict(choice.tried)[choice.chunk_size] <= choice.budget
+    # The model's own size, as `tune=False` chooses it, is timed first; the
+    # descent times a run of its neighbours, without gaps but for sizes that
+    # do not fit.
+    _forget()
+    start = _choose(choice.budget, tune=False).chunk_size
+    _forget()
+    at_most = search._Sizes(_N, "overlap").at_most
+    ladder = search._neighbours(start, choice.largest, at_most)
+    fit = [k for k in ladder if _bytes_at(k if k < _N else None) <= choice.budget]
+    assert start in times and set(times) <= set(fit)
+    timed = [fit.index(k) for k in sorted(times)]
+    assert timed == list(range(timed[0], timed[-1] + 1))
+    return fit
+
+
+@pytest.mark.parametrize("fraction", (1.0, 0.3))
+def test_default_times_on_cpu_and_fits(default, fraction):
+    budget = int(fraction * _bytes_at(None))
+    choice = _choose(budget)
+    _check_timed(choice)
+    assert not choice.stored and len(default) == 1
+    assert sorted(dict(choice.times)) == default[0]
+    chunked = fc.filter_chunked_vmap(_fun, chunk_size=fc.MemoryBudget(budget))
+    assert tree_allclose(jax.jit(chunked)(_XS), jax.vmap(_fun)(_XS))
+    assert len(default) == 1  # cached in memory: not timed again
+
+
+def test_a_later_process_reuses_the_stored_choice(default, tmp_path):
+    budget = _bytes_at(None) // 2
+    first = _choose(budget)
+    (entry,) = (tmp_path / "choices").glob("*.json")
+    assert json.loads(entry.read_text())["chunk_size"] == first.chunk_size
+    _forget()
+    second = _choose(budget)
+    assert second.stored and len(default) == 1  # read, not timed
+    assert (second.chunk_size, second.times) == (first.chunk_size, first.times)
+    assert second.bytes == _bytes_at(second.chunk_size) <= budget
+    # `tune=True` reads it too; `tune=False` never times nor reads.
+    _forget()
+    assert _choose(budget, tune=True).stored and len(default) == 1
+    _forget()
+    model_choice = _choose(budget, tune=False)
+    assert model_choice.model == "cache" and not model_choice.stored
+    assert model_choice.times == () and len(default) == 1
+    # Another budget is another entry.
+    _forget()
+    assert not _choose(budget // 2).stored and len(default) == 2
+    assert len(list((tmp_path / "choices").glob("*.json"))) == 2
+
+
+def test_a_stored_size_is_measured_again(default, tmp_path):
+    """A stored size that does not fit now (an entry from another version, or
+    edited by hand) is ignored; so is a file that is not an entry."""
+    budget = _bytes_at(None) // 2
+    _choose(budget)
+    (entry,) = (tmp_path / "choices").glob("*.json")
+    entry.write_text(json.dumps({"chunk_size": _N, "times": [[_N, 0.0]]}))
+    _forget()
+    choice = _choose(budget)
+    assert not choice.stored and len(default) == 2
+    _check_timed(choice)
+    # Overwritten by the new timing.
+    assert json.loads(entry.read_text())["chunk_size"] == choice.chunk_size
+    for text in ("not json", '{"chunk_size": "x"}', "[]"):
+        entry.write_text(text)
+        _forget()
+        assert not _choose(budget).stored
+    # A size the loop never runs at (it runs 7 steps of 29 for 200 elements).
+    entry.write_text(json.dumps({"chunk_size": 28, "times": [[28, 0.0]]}))
+    _forget()
+    assert not _choose(budget).stored
+
+
+def test_store_turned_off(default, monkeypatch, tmp_path):
+    monkeypatch.setenv(store.ENVIRONMENT, "")
+    budget = _bytes_at(None) // 2
+    _check_timed(_choose(budget))
+    _forget()
+    assert not _choose(budget).stored and len(default) == 2
+    assert not (tmp_path / "choices").exists()
+
+
+def test_an_unwritable_store_is_ignored(default, monkeypatch, tmp_path):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv(store.ENVIRONMENT, str(blocker / "choices"))
+    _check_timed(_choose(_bytes_at(None) // 2))
+
+
+def test_store_folder_default(monkeypatch, tmp_path):
+    monkeypatch.delenv(store.ENVIRONMENT)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert store.directory() == tmp_path / "filtered_chunk"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert store.directory() == Path.home() / ".cache" / "filtered_chunk"
+    monkeypatch.setenv(store.ENVIRONMENT, "~/elsewhere")
+    assert store.directory() == Path.home() / "elsewhere"
+
+
+def test_keys_never_hold_addresses():
+    assert store.key(("program", 3)) == store.key(("program", 3))
+    assert store.key(("program", 3)) != store.key(("program", 4))
+    assert store.key(("program", object())) is None
+
+
+def test_bounded_cost_falls_back_to_the_model(default, monkeypatch):
+    # No time allowed: not even two sizes can be timed.
+    monkeypatch.setattr(timing, "FLOOR_SECONDS", 0.0)
+    monkeypatch.setattr(timing, "SEARCH_FACTOR", 0.0)
+    choice = _choose(_bytes_at(None) // 2)
+    assert choice.model == "cache" and choice.times == () and not default
+
+
+def test_timing_needs_room_for_a_copy_of_the_arguments(default, monkeypatch):
+    # Half the free memory is below a copy of the arguments plus the budget.
+    monkeypatch.setattr(search, "available_bytes", lambda: _bytes_at(None))
+    choice = _choose(_bytes_at(None) // 2)
+    assert choice.model == "cache" and not default
+
+
+def test_default_on_an_accelerator_is_the_largest(default, monkeypatch):
+    monkeypatch.setattr(model, "backend", lambda: "gpu")
+    choice = _choose(_bytes_at(None) // 2)
+    assert choice.model == "largest" and choice.chunk_size == choice.largest
+    assert not default
+
+
+def test_time_each_stops_at_its_budget():
+    calls: list[int] = []
+    runs = {k: (lambda k=k: calls.append(k)) for k in (1, 2, 3)}
+    times = timing.time_each(runs, 0.0, min_rounds=1)
+    assert sorted(times) == [1, 2, 3]
+    # A warm-up and one round each (a run repeated to outlast the timer's noise).
+    assert calls.count(1) == calls.count(2) == calls.count(3) >= 2
+    calls.clear()
+    timing.time_each(runs, 0.0)
+    assert calls.count(1) > 2  # `MIN_ROUNDS` rounds at least
+
+
+def test_default_under_grad_and_jit(default):
+    w = jr.normal(jr.key(0), (64, 32), jnp.float32) / 8
+    f = lambda w, x: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w.T) ** 2)
+    fixed = lambda k: fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=k)  # noqa: E731
+    budget = derivative_bytes(fixed(None), w, _XS)
+    g = fixed(fc.MemoryBudget(budget // 2))
+    loss = lambda w: jnp.sum(jnp.sin(g(w, _XS)))
+    expected = jax.grad(lambda w: jnp.sum(jnp.sin(jax.vmap(f, (None, 0))(w, _XS))))(w)
+    assert tree_allclose(jax.jit(jax.grad(loss))(w), expected, rtol=1e-4, atol=1e-4)
+    (choice,) = search._chosen.values()
+    assert choice.model == "timed" and choice.bytes <= budget // 2
+    for k, _ in choice.times:
+        assert derivative_bytes(fixed(k if k < _N else None), w, _XS) <= budget // 2
+
+
+def test_tune_accepts_none():
+    assert fc.MemoryBudget(4096).tune is None
+    assert repr(fc.MemoryBudget(4096, tune=False)) == "MemoryBudget(4096, tune=False)"
+    assert fc.MemoryBudget(4096, tune=None) == fc.MemoryBudget(4096)
+    with pytest.raises(TypeError, match="tune"):
+        fc.MemoryBudget(4096, tune=1)  # pyright: ignore[reportArgumentType]
+
+
+def test_the_descent_ends_at_the_fastest_of_its_neighbours(default, monkeypatch):
+    # A cache of 1 KiB: the model runs one element a chunk; with time for every
+    # size the descent ends where both neighbours of the fastest were timed.
+    monkeypatch.setattr(model, "cache_bytes", lambda: 2**10)
+    monkeypatch.setattr(timing, "FLOOR_SECONDS", 60.0)
+    choice = _choose(_bytes_at(None) // 2)
+    fit = _check_timed(choice)
+    times = dict(choice.times)
+    assert 1 in times
+    i = fit.index(choice.chunk_size)
+    assert set(fit[max(i - 1, 0) : i + 2]) <= set(times)
