@@ -12,28 +12,36 @@ program), `filter_chunked_vmap(..., chunk_size=fc.MemoryBudget(budget))`:
   which must not exceed the budget (the run fails otherwise, or if a result differs
   from `jax.vmap`'s);
 - time: the steady-state time at the chosen size against the fastest fixed chunk
-  size (powers of two and the workload's chunk sizes) that also fits, timed
-  interleaved (target: within 1.10x);
+  size (powers of two and the workload's chunk sizes) that also fits: the
+  fastest picked in a first set of interleaved rounds, then timed against the
+  choice in a second (the first's fastest is biased low: the least of many noisy
+  medians), each ratio the median over rounds of the two programs' time ratio in
+  the same round (target: within 1.10x);
 - time against the largest size that fits (what a budget chose before the speed
   model of `filtered_chunk/_budget/_model.py`) and, at 1x, against `jax.vmap`
   itself, timed in the same rounds;
-- search cost: the first call of the jitted program with an empty cache (the
-  search, the program's compilation and the run), and a repeat with a fresh
-  `jax.jit` (the search is cached: only the outer program compiles); the search's
-  compilations and compile time are the difference;
-- the same for `fc.MemoryBudget(budget, tune=True)`, which times a few sizes that
-  fit: its size, its time against the fastest fitting fixed size (in the same
-  rounds), and its search's compilations and seconds (timing included).
+- search cost: the first call of the jitted program with empty caches (the
+  search with its timing, the program's compilation and the run), a repeat with
+  a fresh `jax.jit` (the search is cached: only the outer program compiles), and
+  the first call of a later process (the in-memory caches emptied, the timed
+  choice stored on disk kept: it must choose the same size); the search's
+  compilations and seconds are the differences;
+- the same for `fc.MemoryBudget(budget, tune=False)`, the speed model alone,
+  never timed: its size, its time against the fastest
+  fitting fixed size (in the same rounds), and its search's compilations and
+  seconds.
 
 For the gradient workload (d) the program is `jax.grad` of the summed map, so the
 budget applies to the differentiated chunked call. Two more workloads check the
 budget under other transformations: (f) `jax.grad` of a non-linear loss of the
 MLP's outputs (its cotangent depends on the outputs, so XLA cannot fold it as it
 could a sum's), and (g) `jax.jvp` of the pairwise kernel w.r.t. the queries, a
-tangent given as an argument (forward mode: primal and tangent outputs). And two
+tangent given as an argument (forward mode: primal and tangent outputs). And five
 whose shape the others lack: (h) softmax attention of each query over a long
-sequence, and (i) a per-sample Monte Carlo estimate, a reduction over fixed draws
-inside the mapped function.
+sequence; (i) a per-sample Monte Carlo estimate, a reduction over fixed draws
+inside the mapped function; (j) two convolutions over each image; (k) an RBF
+kernel row of each query against a large unmapped set of points; and (l) a large,
+memory-bound temporary per element, so that the fastest chunks hold a few elements.
 """
 
 import argparse
@@ -41,6 +49,7 @@ import dataclasses
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -58,6 +67,8 @@ from _workloads import Sizes, Workload, workloads
 
 import filtered_chunk as fc
 import filtered_chunk._budget._search as search_module
+import filtered_chunk._budget._store as store_module
+import filtered_chunk._budget._timing as timing_module
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +97,8 @@ def program(w: Any, chunk_size: Any) -> Callable[..., Any]:
 
 
 def budget_workloads(quick: bool) -> list[Workload]:
-    """The workloads of `_workloads.py`, and (f) and (g) built on (b) and (a)."""
+    """The workloads of `_workloads.py`, (f) and (g) built on (b) and (a), and
+    (h) to (l), of shapes the others lack."""
     base = workloads(quick)
     kernel, mlp = base[0], base[1]
     loss = dataclasses.replace(
@@ -111,7 +123,16 @@ def budget_workloads(quick: bool) -> list[Workload]:
         make_args=_with_tangent,
         objective="jvp",
     )
-    return [*base, loss, jvp, _attention(quick), _monte_carlo(quick)]
+    return [
+        *base,
+        loss,
+        jvp,
+        _attention(quick),
+        _monte_carlo(quick),
+        _convolution(quick),
+        _kernel_density(quick),
+        _gram_product(quick),
+    ]
 
 
 def _attention(quick: bool) -> Workload:
@@ -167,9 +188,119 @@ def _monte_carlo(quick: bool) -> Workload:
     )
 
 
-def _clear_cache() -> None:
+def _convolution(quick: bool) -> Workload:
+    """(j) Each image through two 3x3 convolutions: a per-image feature vector."""
+    size, hidden, n = (16, 8, 256) if quick else (32, 16, 1024)
+    # Channels last (NHWC images, HWIO kernels): XLA:CPU's fast convolution wants
+    # this layout; in NCHW the convolutions inside the chunk loop run ~10x slower.
+    dims = ("NHWC", "HWIO", "NHWC")
+    rng = np.random.default_rng(16)
+    kernel1, kernel2 = (
+        jnp.asarray(rng.standard_normal((3, 3, c, hidden), np.float32) / (3 * c**0.5))
+        for c in (3, hidden)
+    )
+
+    def conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
+        # A batch axis of 1: the map's batch becomes the convolution's.
+        out = jax.lax.conv_general_dilated(
+            x[None], kernel, (1, 1), "SAME", dimension_numbers=dims
+        )
+        return out[0]
+
+    def element(image: jax.Array, k1: jax.Array, k2: jax.Array) -> jax.Array:
+        features = conv(jnp.tanh(conv(image, k1)), k2)
+        return jnp.mean(jax.nn.relu(features), axis=(0, 1))
+
+    def make_args(m: int) -> tuple[Any, ...]:
+        images = np.random.default_rng(17).standard_normal(
+            (m, size, size, 3), np.float32
+        )
+        return jnp.asarray(images), kernel1, kernel2
+
+    chunks = (16, 64, 100) if quick else (16, 64, 100, 256, 1000)
+    return Workload(
+        "j",
+        "convolutions over images",
+        f"two 3x3 convolutions (3 -> {hidden} -> {hidden} channels, `tanh` "
+        f"between) over each of N {size}x{size} images, then a mean over pixels: "
+        "one feature vector per image.",
+        element,
+        (0, None, None),
+        make_args,
+        Sizes(n, chunks, n // 4, n // 16),
+    )
+
+
+def _kernel_density(quick: bool) -> Workload:
+    """(k) Each query's RBF kernel row against a large unmapped set of points."""
+    points, dim, n = (2048, 16, 512) if quick else (16384, 64, 1024)
+    refs = np.random.default_rng(18).standard_normal((points, dim), np.float32)
+    values = np.random.default_rng(19).standard_normal((points,), np.float32)
+    refs, values = jnp.asarray(refs), jnp.asarray(values)
+
+    def element(q: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+        sq_dist = jnp.sum(q**2) - 2 * (x @ q) + jnp.sum(x**2, axis=-1)
+        logits = -0.5 * sq_dist / dim
+        log_density = jax.nn.logsumexp(logits) - math.log(points)
+        return jnp.stack([log_density, jax.nn.softmax(logits) @ y])
+
+    def make_args(m: int) -> tuple[Any, ...]:
+        q = np.random.default_rng(20).standard_normal((m, dim), np.float32)
+        return jnp.asarray(q), refs, values
+
+    chunks = (16, 64, 100) if quick else (16, 64, 100, 256, 1000)
+    return Workload(
+        "k",
+        "kernel against a large operand",
+        f"each of N queries ({dim}-dim) against {points} unmapped points "
+        f"({points * dim * 4 / MIB:g} MiB): the log kernel density and the "
+        "kernel-weighted mean of the points' values.",
+        element,
+        (0, None, None),
+        make_args,
+        Sizes(n, chunks, n // 4, n // 16),
+    )
+
+
+def _gram_product(quick: bool) -> Workload:
+    """(l) A large, memory-bound temporary per element: the fastest chunk is small."""
+    length, width, n = (256, 128, 64) if quick else (1024, 512, 256)
+    w = np.random.default_rng(21).standard_normal((width,), np.float32)
+    v = np.random.default_rng(22).standard_normal((width,), np.float32) / width
+    w, v = jnp.asarray(w), jnp.asarray(v)
+
+    def element(x: jax.Array, w: jax.Array, v: jax.Array) -> jax.Array:
+        # Two products read the (length, width) features: XLA materialises them.
+        features = jax.nn.relu(x[:, None] * w[None, :] - 1)
+        return features.T @ (features @ v) / length
+
+    def make_args(m: int) -> tuple[Any, ...]:
+        x = np.random.default_rng(23).standard_normal((m, length), np.float32)
+        return jnp.asarray(x), w, v
+
+    chunks = (1, 2, 4, 8, 16) if quick else (1, 2, 4, 8, 16, 64)
+    return Workload(
+        "l",
+        "large temporary per element",
+        f"per element, features `F = relu(x w^T - 1)` of {length}x{width} "
+        f"({length * width * 4 / MIB:g} MiB) and `F^T (F v)`: memory-bound, the "
+        "fastest chunks on CPU hold a few elements.",
+        element,
+        (0, None, None),
+        make_args,
+        Sizes(n, chunks, n // 4, n // 16),
+    )
+
+
+def _clear_cache(store: bool = True) -> None:
+    """Forgets the choices made: in memory (as a new process would), and with
+    `store` also on disk."""
     search_module._measured.clear()
     search_module._chosen.clear()
+    folder = store_module.directory()
+    if store and folder is not None:
+        for entry in folder.glob("*.json"):
+            entry.unlink()
 
 
 def _fixed_sizes(w: Any, quick: bool) -> list[int]:
@@ -180,8 +311,10 @@ def _fixed_sizes(w: Any, quick: bool) -> list[int]:
     return sorted({k for k in (*powers, *w.sizes.chunk_sizes, n) if k <= n})
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median times of `calls`, timed in rounds (order rotating), after a warm-up."""
+def _interleaved(
+    calls: dict[str, Callable[[], Any]], repeats: int
+) -> dict[str, list[float]]:
+    """The times of `calls`, timed in rounds (order rotating), after a warm-up."""
     keys, times = list(calls), {key: [] for key in calls}
     for r in range(repeats + 1):
         order = keys[r % len(keys) :] + keys[: r % len(keys)]
@@ -190,7 +323,13 @@ def _interleaved(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             jax.block_until_ready(calls[key]())
             if r:
                 times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+    return times
+
+
+def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of `a`'s time over `b`'s in the same round: a change
+    of the machine's load between rounds hits both."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def _max_rel_error(out: Any, ref: Any) -> float:
@@ -203,15 +342,19 @@ def _max_rel_error(out: Any, ref: Any) -> float:
 
 
 def _search_cost(
-    w: Any, budget: int, args: tuple[Any, ...], counter: Any, tune: bool = False
+    w: Any, budget: int, args: tuple[Any, ...], counter: Any, tune: bool | None
 ) -> Row:
     """Seconds and compilations of the first call of the jitted program (the
-    search, the program's compilation, the run) with an empty cache, and of a
+    search, the program's compilation, the run) with empty caches, and of a
     repeat with a fresh `jax.jit` (the search is cached: nothing but the program
-    compiles). The search's share is the difference."""
+    compiles); the search's share is the difference. With a timed choice, also
+    the first call of a later process (`stored`: the in-memory caches emptied,
+    the stored timing kept)."""
     _clear_cache()
     row: Row = {}
-    for name in ("first", "repeat"):
+    for name in ("first", "repeat", "stored"):
+        if name == "stored":
+            _clear_cache(store=False)
         before = counter.snapshot()
         start = time.perf_counter()
         out = jax.jit(program(w, fc.MemoryBudget(budget, tune=tune)))(*args)
@@ -220,11 +363,17 @@ def _search_cost(
         row[f"{name}_call_s"] = time.perf_counter() - start
         row[f"{name}_call_compiles"] = after[1] - before[1]
         row[f"{name}_compile_s"] = after[2] - before[2]
+        if name == "first":
+            (row["choice"],) = search_module._chosen.values()
+            row["out"] = out
     row["search_compiles"] = row["first_call_compiles"] - row["repeat_call_compiles"]
     # Compile times vary run to run: the difference can dip below zero.
     row["search_compile_s"] = max(row["first_compile_s"] - row["repeat_compile_s"], 0)
-    (row["choice"],) = search_module._chosen.values()
-    row["out"] = out
+    # The search's share of the first call: compiling, and timing if it times.
+    row["search_s"] = max(row["first_call_s"] - row["repeat_call_s"], 0)
+    row["stored_search_s"] = max(row["stored_call_s"] - row["repeat_call_s"], 0)
+    (stored,) = search_module._chosen.values()
+    row["stored_same"] = stored.chunk_size == row["choice"].chunk_size
     return row
 
 
@@ -245,7 +394,7 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
         row: Row = {"workload": w.key, "title": w.title, "batch_size": n}
         row |= {"fraction": fraction, "budget": budget, "vmap_bytes": vmap_bytes}
         try:
-            cost = _search_cost(w, budget, args, counter)
+            cost = _search_cost(w, budget, args, counter, None)
         except ValueError as e:
             needs = re.search(r"needs (\d+) bytes", str(e))
             row["error"] = int(needs.group(1)) if needs else str(e)
@@ -255,17 +404,17 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
         choice = cost.pop("choice")
         k = choice.chunk_size
         error = _max_rel_error(cost.pop("out"), ref)
-        # `MemoryBudget(budget, tune=True)`: its search (with the timing) and size.
-        tuned = _search_cost(w, budget, args, counter, tune=True)
-        tuned_choice = tuned.pop("choice")
-        error = max(error, _max_rel_error(tuned.pop("out"), ref))
+        # `MemoryBudget(budget, tune=False)`: the speed model alone, as before.
+        modelled = _search_cost(w, budget, args, counter, False)
+        model_choice = modelled.pop("choice")
+        error = max(error, _max_rel_error(modelled.pop("out"), ref))
         at_k = compile_fn(program(w, k), *args)
-        at_tuned = compile_fn(program(w, tuned_choice.chunk_size), *args)
+        at_model = compile_fn(program(w, model_choice.chunk_size), *args)
         fits = {s: c for s, c in fixed.items() if c.temp_plus_output <= budget}
         calls = {"chosen": lambda: at_k.executable(*args)}
-        calls["tuned"] = lambda: at_tuned.executable(*args)
+        calls["model"] = lambda: at_model.executable(*args)
         largest = choice.largest
-        if largest != k:  # what a budget chose before the speed model
+        if largest not in (k, model_choice.chunk_size):
             at_largest = compile_fn(program(w, largest), *args).executable
             calls["largest"] = lambda: at_largest(*args)
         if fraction == 1:
@@ -277,51 +426,57 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
                 k: at_k.executable
             }
             pre = _interleaved(
-                {str(s): (lambda e=e: e(*args)) for s, e in sweep.items()},
-                max(repeats // 2, 2),
+                {str(s): (lambda e=e: e(*args)) for s, e in sweep.items()}, repeats
             )
-            best = int(min(pre, key=lambda s: pre[s]))
+            best = int(min(pre, key=lambda s: statistics.median(pre[s])))
             calls[f"fixed {best}"] = lambda e=sweep[best]: e(*args)
             times = _interleaved(calls, repeats)
             row["fastest_fixed"] = best
-            row["fastest_fixed_s"] = times[f"fixed {best}"]
+            row["fastest_fixed_s"] = statistics.median(times[f"fixed {best}"])
         else:
             times = _interleaved(calls, repeats)
+        largest_key = (
+            "largest" if "largest" in times else "chosen" if largest == k else "model"
+        )
         row |= {"chunk_size": k, "choice_bytes": choice.bytes, "tried": choice.tried}
-        row |= {"largest": largest, "model": choice.model}
+        row |= {"largest": largest, "model": choice.model, "times": choice.times}
         row |= {"element_bytes": choice.element_bytes}
-        row["vs_largest"] = times["chosen"] / times.get("largest", times["chosen"])
-        row["vs_vmap"] = times["chosen"] / times["vmap"] if "vmap" in times else None
+        row["vs_largest"] = _paired(times, "chosen", largest_key)
+        row["vs_vmap"] = _paired(times, "chosen", "vmap") if "vmap" in times else None
         row |= {
             "bytes": at_k.temp_plus_output,
             "within_budget": at_k.temp_plus_output <= budget,
         }
-        row |= {"time_s": times["chosen"], "max_rel_error": error}
+        row |= {"time_s": statistics.median(times["chosen"]), "max_rel_error": error}
         row["correct"] = error <= 1e-4
-        row["ratio"] = times["chosen"] / row["fastest_fixed_s"] if fits else None
+        fixed_key = f"fixed {row.get('fastest_fixed')}"
+        row["ratio"] = _paired(times, "chosen", fixed_key) if fits else None
         row |= cost
         row |= {
-            "tuned_chunk_size": tuned_choice.chunk_size,
-            "tuned_times": tuned_choice.times,
-            "tuned_bytes": at_tuned.temp_plus_output,
-            "tuned_within_budget": at_tuned.temp_plus_output <= budget,
-            "tuned_ratio": times["tuned"] / row["fastest_fixed_s"] if fits else None,
-            "tuned_search_compiles": tuned["search_compiles"],
-            # The search's share of the first call: compiling and timing.
-            "tuned_search_s": max(tuned["first_call_s"] - tuned["repeat_call_s"], 0),
+            "model_chunk_size": model_choice.chunk_size,
+            "model_kind": model_choice.model,
+            "model_bytes": at_model.temp_plus_output,
+            "model_within_budget": at_model.temp_plus_output <= budget,
+            "model_ratio": _paired(times, "model", fixed_key) if fits else None,
+            "model_search_compiles": modelled["search_compiles"],
+            "model_search_s": modelled["search_s"],
         }
         rows.append(row)
         log(
             f"({w.key}) {fraction:g}x vmap = {budget / MIB:.2f} MiB: K={k} "
-            f"(largest {largest}, {row['vs_largest']:.2f}x its time), "
-            f"{row['bytes'] / MIB:.2f} MiB, {row['ratio'] or math.nan:.2f}x the "
-            f"fastest fitting fixed K={row.get('fastest_fixed')}, search "
-            f"{cost['search_compiles']} compiles {cost['search_compile_s']:.2f} s; "
-            f"tuned K={row['tuned_chunk_size']}, "
-            f"{row['tuned_ratio'] or math.nan:.2f}x the fastest, search "
-            f"{row['tuned_search_compiles']} compiles {row['tuned_search_s']:.2f} s"
+            f"({choice.model}, largest {largest}), {row['bytes'] / MIB:.2f} MiB, "
+            f"{row['ratio'] or math.nan:.2f}x the fastest fitting fixed "
+            f"K={row.get('fastest_fixed')}, search {cost['search_compiles']} "
+            f"compiles {cost['search_s']:.2f} s (stored: {cost['stored_search_s']:.2f}"
+            f" s); model K={row['model_chunk_size']}, "
+            f"{row['model_ratio'] or math.nan:.2f}x the fastest, search "
+            f"{row['model_search_compiles']} compiles {row['model_search_s']:.2f} s"
         )
     return rows
+
+
+def _ratio(r: Row, key: str) -> str:
+    return "n/a" if r[key] is None else f"{r[key]:.2f}x"
 
 
 def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
@@ -329,11 +484,11 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         f"Command: `{meta['command']}` ({meta['date']}; {meta['machine']}; "
         f"{meta['runtime_s']:.0f} s).",
         "",
-        "| workload | N | budget (x vmap) | chosen K (largest fitting) | memory / "
-        "budget | time vs fastest fitting K | time vs largest | time vs vmap | "
-        "search: compiles, s | first call s (compiles) | repeat s (compiles) | "
-        "tune=True: K, time vs fastest, search compiles, s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | N | budget (x vmap) | chosen K (how; largest fitting) | "
+        "memory / budget | time vs fastest fitting K | time vs largest | time vs "
+        "vmap | first call: search s (compiles) | later process: search s | "
+        "model alone (`tune=False`): K, time vs fastest, search s (compiles) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         head = f"| ({r['workload']}) {r['title']} | {r['batch_size']} | "
@@ -341,26 +496,17 @@ def markdown(rows: list[Row], meta: dict[str, Any]) -> str:
         if "error" in r:
             needs = r["error"]
             needs = f"{needs / MIB:.2f} MiB" if isinstance(needs, int) else needs
-            lines.append(
-                head + f"none fits: one element needs {needs} | | | | | | | | |"
-            )
+            lines.append(head + f"none fits: one element needs {needs} | | | | | | | |")
             continue
-        ratio = (
-            "n/a"
-            if r["ratio"] is None
-            else f"{r['ratio']:.2f}x (K={r['fastest_fixed']})"
-        )
+        fastest = _ratio(r, "ratio")
+        fastest += f" (K={r['fastest_fixed']})" if r["ratio"] is not None else ""
         lines.append(
-            head + f"{r['chunk_size']} ({r['largest']}) | "
-            f"{r['bytes'] / r['budget']:.2f} | {ratio} | {r['vs_largest']:.2f}x | "
-            + ("n/a" if r["vs_vmap"] is None else f"{r['vs_vmap']:.2f}x")
-            + " | "
-            f"{r['search_compiles']}, {r['search_compile_s']:.2f} | "
-            f"{r['first_call_s']:.2f} ({r['first_call_compiles']}) | "
-            f"{r['repeat_call_s']:.2f} ({r['repeat_call_compiles']}) | "
-            f"{r['tuned_chunk_size']}, "
-            + ("n/a" if r["tuned_ratio"] is None else f"{r['tuned_ratio']:.2f}x")
-            + f", {r['tuned_search_compiles']}, {r['tuned_search_s']:.2f} |"
+            head + f"{r['chunk_size']} ({r['model']}; {r['largest']}) | "
+            f"{r['bytes'] / r['budget']:.2f} | {fastest} | {r['vs_largest']:.2f}x | "
+            f"{_ratio(r, 'vs_vmap')} | {r['search_s']:.2f} ({r['search_compiles']}) | "
+            f"{r['stored_search_s']:.2f} | {r['model_chunk_size']}, "
+            f"{_ratio(r, 'model_ratio')}, {r['model_search_s']:.2f} "
+            f"({r['model_search_compiles']}) |"
         )
     return "\n".join(lines) + "\n"
 
@@ -373,15 +519,17 @@ def failures(rows: list[Row]) -> list[str]:
         where = f"({r['workload']}) at {r['fraction']:g}x"
         if not r["within_budget"]:
             bad.append(f"{where}: {r['bytes']} bytes over the budget of {r['budget']}")
-        if not r["tuned_within_budget"]:
-            bad.append(f"{where}, tuned: {r['tuned_bytes']} bytes over the budget")
+        if not r["model_within_budget"]:
+            bad.append(f"{where}, model: {r['model_bytes']} bytes over the budget")
+        if not r["stored_same"]:
+            bad.append(f"{where}: a later process chose another size")
         if not r["correct"]:
             bad.append(f"{where}: result differs from jax.vmap's")
     return bad
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small, fast CI mode")
     parser.add_argument("--out", type=Path, help="folder for the table and JSON")
     parser.add_argument("--only", help="comma-separated workload keys, e.g. a,c")
@@ -392,6 +540,10 @@ def main() -> int:
         print(f"[{time.perf_counter() - start:6.1f} s]", *parts, flush=True)
 
     counter = CompileCounter()
+    if opts.quick:  # a check that it runs: time each search's sizes briefly
+        timing_module.FLOOR_SECONDS = 0.5
+    # Timed choices are stored here, never in the user's cache.
+    os.environ[store_module.ENVIRONMENT] = tempfile.mkdtemp(prefix="fc_choices_")
     only = set(opts.only.split(",")) if opts.only else None
     rows = []
     for w in budget_workloads(opts.quick):
@@ -417,22 +569,23 @@ def main() -> int:
     )
     print(table)
     log(f"Table and JSON written to {out}")
-    ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
-    missed = [r for r in rows if r.get("ratio") is not None and r["ratio"] > TARGET]
+    for name, key in (("default", "ratio"), ("model alone", "model_ratio")):
+        ratios = [r[key] for r in rows if r.get(key) is not None]
+        log(
+            f"{name}: time at the chosen size / fastest fitting fixed size: worst "
+            f"{max(ratios, default=math.nan):.2f}x, median "
+            f"{statistics.median(ratios) if ratios else math.nan:.2f}x; "
+            f"{sum(t > TARGET for t in ratios)} of {len(ratios)} over {TARGET}x."
+        )
     over_vmap = [r for r in rows if (r.get("vs_vmap") or 0) > 1]
-    log(
-        f"Time at the chosen size / fastest fitting fixed size: worst "
-        f"{max(ratios, default=math.nan):.2f}x, median "
-        f"{statistics.median(ratios) if ratios else math.nan:.2f}x; "
-        f"{len(missed)} of {len(ratios)} over the {TARGET}x target; "
-        f"{len(over_vmap)} slower than jax.vmap at 1x."
-    )
-    tuned = [r["tuned_ratio"] for r in rows if r.get("tuned_ratio") is not None]
-    log(
-        f"With tune=True: worst {max(tuned, default=math.nan):.2f}x, median "
-        f"{statistics.median(tuned) if tuned else math.nan:.2f}x; "
-        f"{sum(t > TARGET for t in tuned)} of {len(tuned)} over the {TARGET}x target."
-    )
+    log(f"{len(over_vmap)} slower than jax.vmap at 1x.")
+    costs = [(r["search_s"], r["model_search_s"]) for r in rows if "search_s" in r]
+    if costs:
+        log(
+            "search seconds, first call: default "
+            f"{min(c[0] for c in costs):.2f}-{max(c[0] for c in costs):.2f}, model "
+            f"{min(c[1] for c in costs):.2f}-{max(c[1] for c in costs):.2f}"
+        )
     bad = failures(rows)
     for line in bad:
         log("WRONG:", line)
