@@ -36,8 +36,8 @@ def _bytes_at(k: int | None) -> int:
 
 @pytest.fixture
 def default(monkeypatch, tmp_path):
-    """The default's timing on, on a CPU with a 128 KiB level-2 cache (the model's
-    size is about 16 elements), a store of its own, empty in-memory caches, and a
+    """The default's timing on, on a CPU whose model sizes a working set to 128 KiB
+    (about 8 elements), a store of its own, empty in-memory caches, and a
     record of what is timed."""
     monkeypatch.setattr(timing, "BY_DEFAULT", True)
     monkeypatch.setattr(timing, "FLOOR_SECONDS", 1.0)  # quicker, fewer sizes

@@ -32,7 +32,7 @@ _XS = jr.normal(jr.key(3), (_N, 64), jnp.float32)
 
 @pytest.fixture
 def fake_machine(monkeypatch):
-    """Sets the backend and level-2 cache the model reads, with empty caches."""
+    """Sets the backend and the cache size the model reads, with empty caches."""
 
     def _set(backend: str, cache: int) -> None:
         monkeypatch.setattr(model, "backend", lambda: backend)

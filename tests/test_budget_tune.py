@@ -32,7 +32,7 @@ _XS = jr.normal(jr.key(3), (_N, 64), jnp.float32)
 
 @pytest.fixture
 def clean(monkeypatch):
-    """CPU with a 128 KiB level-2 cache (the model's size is about 16 elements),
+    """CPU whose model sizes a working set to 128 KiB (about 8 elements),
     empty caches, and a record of what is timed."""
     monkeypatch.setattr(model, "backend", lambda: "cpu")
     monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)

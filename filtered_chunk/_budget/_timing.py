@@ -51,12 +51,10 @@ def mode(tune: bool | None, backend: str) -> str | None:
     return "always" if tune else None
 
 
-def ladder(
-    lo: int, hi: int, at_most: Callable[[int], int], count: int = LADDER
-) -> list[int]:
-    """`count` sizes from `lo` to `hi` (`1 <= lo <= hi`), evenly spaced on a log
+def ladder(lo: int, hi: int, at_most: Callable[[int], int]) -> list[int]:
+    """`LADDER` sizes from `lo` to `hi` (`1 <= lo <= hi`), evenly spaced on a log
     scale and rounded down to sizes that run (`at_most`), without repeats."""
-    steps = [lo * (hi / lo) ** (i / (count - 1)) for i in range(count)]
+    steps = [lo * (hi / lo) ** (i / (LADDER - 1)) for i in range(LADDER)]
     sizes = [at_most(max(1, min(hi, math.floor(k + 1e-9)))) for k in steps]
     return sorted({*sizes, hi})
 
@@ -114,12 +112,17 @@ def seconds(run: Callable[[], Any], repeats: int = 1) -> float:
     return (time.perf_counter() - begin) / repeats
 
 
+def _repeats(first: float) -> int:
+    """How many runs of `first` seconds one sample takes to outlast `SAMPLE`."""
+    return min(max(math.ceil(SAMPLE / first), 1), 100)
+
+
 def sample(run: Callable[[], Any], within: float = SAMPLE_WITHIN) -> float:
     """The fastest of two more runs after a first one (which can pay for
     first-use costs), each repeated to outlast the timer's noise (`SAMPLE`), where
     the two take at most `within` seconds at the first's speed; else the first."""
     first = max(seconds(run), 1e-6)
-    repeats = min(max(math.ceil(SAMPLE / first), 1), 100)
+    repeats = _repeats(first)
     more = 2 if 2 * first * repeats <= within else 0
     return min((seconds(run, repeats) for _ in range(more)), default=first)
 
@@ -143,7 +146,7 @@ def time_each(
     warm = dict(warm or {})
     warm |= {k: seconds(run) for k, run in runs.items() if k not in warm}  # warm-ups
     warm = {k: max(t, 1e-6) for k, t in warm.items()}
-    repeats = {k: min(max(math.ceil(SAMPLE / t), 1), 100) for k, t in warm.items()}
+    repeats = {k: _repeats(t) for k, t in warm.items()}
     keys = sorted(runs)
     times: dict[int, list[float]] = {k: [] for k in keys}
     expected = sum(warm[k] * repeats[k] for k in keys)  # the seconds of a round
