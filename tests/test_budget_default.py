@@ -191,6 +191,15 @@ def test_bounded_cost_falls_back_to_the_model(default, monkeypatch):
     monkeypatch.setattr(timing, "SEARCH_FACTOR", 0.0)
     choice = _choose(_bytes_at(None) // 2)
     assert choice.model == "cache" and choice.times == () and not default
+    # Stored: a later process does not try again, but `tune=True` times.
+    monkeypatch.setattr(timing, "FLOOR_SECONDS", 1.0)
+    _forget()
+    again = _choose(_bytes_at(None) // 2)
+    assert again.stored and again.model == "cache" and not default
+    assert again.chunk_size == choice.chunk_size
+    _forget()
+    timed = _choose(_bytes_at(None) // 2, tune=True)
+    assert not timed.stored and timed.model == "timed" and len(default) == 1
 
 
 def test_timing_needs_room_for_a_copy_of_the_arguments(default, monkeypatch):
@@ -198,6 +207,8 @@ def test_timing_needs_room_for_a_copy_of_the_arguments(default, monkeypatch):
     monkeypatch.setattr(search, "available_bytes", lambda: _bytes_at(None))
     choice = _choose(_bytes_at(None) // 2)
     assert choice.model == "cache" and not default
+    _forget()  # not stored: a later process may have the room
+    assert not _choose(_bytes_at(None) // 2).stored
 
 
 def test_default_on_an_accelerator_is_the_largest(default, monkeypatch):

@@ -319,7 +319,7 @@ def _bounded(
     allowance: float,
     per_size: float,
     argument_bytes: int,
-) -> dict[int, float]:
+) -> dict[int, float] | None:
     """The default's timing, within `allowance` seconds after the model's size `k`
     is timed: a descent along `ladder` (ascending, holding `k`) from the fastest
     size so far to its untimed neighbours (the larger first), and from those
@@ -328,10 +328,11 @@ def _bounded(
     `per_size` seconds, and two runs at the speed of the fastest so far); each
     size the fastest of up to three runs (`_timing.sample`). Then rounds while
     time is left. Empty (the model's choice stands) where fewer than two sizes
-    fit, or where a copy of the arguments beside the budget could crowd the
-    free memory."""
+    fit the bound; `None` (the same, but not stored: a later
+    process may have the room) where a copy of the arguments beside the budget
+    could crowd the free memory."""
     if argument_bytes + limit > available_bytes() // 2:
-        return {}
+        return None
     warm = {k: _timing.sample(run(k))}  # also makes the example arguments
     end = time.perf_counter() + allowance
     refused: set[int] = set()
@@ -453,10 +454,13 @@ def choose_chunk_size(
     if timing:
         name = _store.key(stored_as) if base is not None else None
         found = _store.read(name)
-        if found is not None and _fits(found[0], sizes, largest, _measure, limit):
+        # `tune=True` times whatever a bound left untimed.
+        untimed = found is not None and not found[1] and timing == "always"
+        if found and not untimed and _fits(found[0], sizes, largest, _measure, limit):
             (k, old), stored = found, True
             times = dict(old)
         else:
+            bounded: dict[int, float] | None = None
             if timing == "always":  # sizes from half the model's to the largest
                 ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
                 fitting = [
@@ -470,11 +474,15 @@ def choose_chunk_size(
                 per_size = compiling[0] / max(len(tried), 1)
                 arguments = sum(map(argument_bytes, program.structs))
                 ladder = _neighbours(k, largest, sizes.at_most)
-                times = _bounded(
+                bounded = _bounded(
                     k, ladder, _measure, _run, limit, allowance, per_size, arguments
                 )
+                times = {} if bounded is None else bounded
             if times:
                 k = min(times, key=lambda s: (times[s], s))
+            if times or bounded == {}:
+                # A model's size that the bound left untimed is stored too, so
+                # that a later process does not try again (its time is the same).
                 _store.write(name, k, times)
     chosen = ChunkSizeChoice(
         k,

@@ -109,7 +109,8 @@ class MemoryBudget(eqx.Module):
 
         A timed choice is stored on disk and reused by later processes on the
         same machine for the same program, budget and versions, so it does not
-        vary between them and is timed once: in the folder
+        vary between them and is timed once (so is the model's choice where the
+        bound left no time to time two sizes; `tune=True` times it anew): in the folder
         `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
         nothing), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache`). Only
         the size is stored: its bytes are measured anew in every search, so a
@@ -265,9 +266,9 @@ class ChunkSizeChoice(eqx.Module):
         for every size tried.
     - `times`: for `"timed"`, `(chunk_size, seconds)` for every size timed (its
         fastest run), by size; the fastest is `chunk_size`. Empty otherwise.
-    - `stored`: whether `times` were read from disk, timed by an earlier search
-        for the same program, budget and machine (see `MemoryBudget`'s `tune`),
-        rather than in this one.
+    - `stored`: whether the size (and `times`) were read from disk, chosen by an
+        earlier search for the same program, budget and machine (see
+        `MemoryBudget`'s `tune`), rather than in this one.
     - `keep_boundaries`: whether the call runs with `keep_boundaries=True`: with
         collectives across chunks, each pass over the batch then keeps the
         per-element values the next resumes from, in buffers that `bytes`
