@@ -328,9 +328,9 @@ def _bounded(
     `per_size` seconds, and two runs at the speed of the fastest so far); each
     size the fastest of up to three runs (`_timing.sample`). Then rounds while
     time is left. Empty (the model's choice stands) where fewer than two sizes
-    fit the bound; `None` (the same, but not stored: a later
-    process may have the room) where a copy of the arguments beside the budget
-    could crowd the free memory."""
+    fit the bound; `None` (the same, but not stored: a later process may have
+    the room) where a copy of the arguments beside the budget could crowd the
+    free memory."""
     if argument_bytes + limit > available_bytes() // 2:
         return None
     warm = {k: _timing.sample(run(k))}  # also makes the example arguments
@@ -460,13 +460,13 @@ def choose_chunk_size(
             (k, old), stored = found, True
             times = dict(old)
         else:
-            bounded: dict[int, float] | None = None
             if timing == "always":  # sizes from half the model's to the largest
                 ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
                 fitting = [
                     s for s in sorted({*ladder, k}) if _measure(s).total <= limit
                 ]
                 times = _timing.time_each({s: _run(s) for s in fitting})
+                store = bool(times)
             else:
                 # A descent from the model's size, within a bound.
                 spent = time.perf_counter() - start
@@ -477,12 +477,13 @@ def choose_chunk_size(
                 bounded = _bounded(
                     k, ladder, _measure, _run, limit, allowance, per_size, arguments
                 )
-                times = {} if bounded is None else bounded
-            if times:
-                k = min(times, key=lambda s: (times[s], s))
-            if times or bounded == {}:
                 # A model's size that the bound left untimed is stored too, so
                 # that a later process does not try again (its time is the same).
+                store = bounded is not None
+                times = bounded or {}
+            if times:
+                k = min(times, key=lambda s: (times[s], s))
+            if store:
                 _store.write(name, k, times)
     chosen = ChunkSizeChoice(
         k,

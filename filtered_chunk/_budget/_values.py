@@ -110,8 +110,8 @@ class MemoryBudget(eqx.Module):
         A timed choice is stored on disk and reused by later processes on the
         same machine for the same program, budget and versions, so it does not
         vary between them and is timed once (so is the model's choice where the
-        bound left no time to time two sizes; `tune=True` times it anew): in the folder
-        `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
+        bound left no time to time two sizes; `tune=True` times it anew): in the
+        folder `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
         nothing), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache`). Only
         the size is stored: its bytes are measured anew in every search, so a
         stored choice never breaks the budget. Delete the folder to time anew.
