@@ -17,6 +17,7 @@ import filtered_chunk._budget._model as model
 import filtered_chunk._budget._search as search
 import filtered_chunk._budget._store as store
 import filtered_chunk._budget._timing as timing
+from filtered_chunk._budget._program import Measured
 
 from .budgets import compiled_bytes, derivative_bytes
 from .helpers import tree_allclose
@@ -44,14 +45,27 @@ def default(monkeypatch, tmp_path):
     monkeypatch.setattr(model, "backend", lambda: "cpu")
     monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)
     monkeypatch.setenv(store.ENVIRONMENT, str(tmp_path / "choices"))
-    timed: list[list[int]] = []
-    real = timing.time_each
+    timed: list[list[int]] = []  # the sizes each search timed, by search
+    each, bounded = timing.time_each, search._bounded
+    descending = [False]  # the default's rounds are recorded by its descent
 
-    def _recording(runs: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
-        timed.append(sorted(runs))
-        return real(runs, *args, **kwargs)
+    def _each(runs: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
+        if not descending[0]:
+            timed.append(sorted(runs))
+        return each(runs, *args, **kwargs)
 
-    monkeypatch.setattr(timing, "time_each", _recording)
+    def _bounded(*args: Any, **kwargs: Any) -> Any:
+        descending[0] = True
+        try:
+            times = bounded(*args, **kwargs)
+        finally:
+            descending[0] = False
+        if times:
+            timed.append(sorted(times))
+        return times
+
+    monkeypatch.setattr(timing, "time_each", _each)
+    monkeypatch.setattr(search, "_bounded", _bounded)
     _forget()
     yield timed
     _forget()
@@ -264,3 +278,24 @@ def test_the_descent_ends_at_the_fastest_of_its_neighbours(default, monkeypatch)
     assert 1 in times
     i = fit.index(choice.chunk_size)
     assert set(fit[max(i - 1, 0) : i + 2]) <= set(times)
+
+
+def test_rounds_that_move_the_fastest_resume_the_descent(monkeypatch):
+    # Single runs (the descent's samples) and rounds can disagree under load: here
+    # one run of 4 elements reads slower than the tie, so the descent stops at 2,
+    # but the rounds find 4 the fastest; the descent then goes on from 4 (and from
+    # 8, which the next rounds find fastest) until the fastest's neighbours are
+    # timed.
+    sampled = {1: 3.0, 2: 1.0, 4: 1.5, 8: 2.0, 16: 3.0}
+    rounds = {1: 3.0, 2: 1.0, 4: 0.5, 8: 0.4, 16: 0.6}
+    monkeypatch.setattr(timing, "sample", lambda run: sampled[run()] * 1e-3)
+    monkeypatch.setattr(
+        timing, "time_each", lambda runs, *_, **__: {s: rounds[s] * 1e-3 for s in runs}
+    )
+    monkeypatch.setattr(search, "available_bytes", lambda: 2**40)
+    fits = Measured(0, 0)
+    times = search._bounded(
+        1, [1, 2, 4, 8, 16], lambda s: fits, lambda s: lambda: s, 1, 60.0, 0.0, 0
+    )
+    assert times is not None and sorted(times) == [1, 2, 4, 8, 16]
+    assert min(times, key=times.__getitem__) == 8

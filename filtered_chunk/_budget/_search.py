@@ -327,40 +327,54 @@ def _bounded(
     descent), each while it fits the budget and the time left (its compilation,
     `per_size` seconds, and two runs at the speed of the fastest so far); each
     size the fastest of up to three runs (`_timing.sample`). Then rounds while
-    time is left. Empty (the model's choice stands) where fewer than two sizes
-    fit the bound; `None` (the same, but not stored: a later process may have
-    the room) where a copy of the arguments beside the budget could crowd the
-    free memory."""
+    time is left; where the rounds make another size the fastest and it has
+    untimed neighbours, the descent goes on from it. Empty (the model's choice
+    stands) where fewer than two sizes fit the bound; `None` (the same, but not
+    stored: a later process may have the room) where a copy of the arguments
+    beside the budget could crowd the free memory."""
     if argument_bytes + limit > available_bytes() // 2:
         return None
     warm = {k: _timing.sample(run(k))}  # also makes the example arguments
     end = time.perf_counter() + allowance
     refused: set[int] = set()
-    while True:
-        # The untimed neighbours of the sizes within `_timing.TIE` of the fastest,
-        # the fastest's first: a descent that also walks along a plateau.
-        fastest = min(warm.values())
+    tie = 1 + _timing.TIE  # a plateau: within this factor of the fastest
+
+    def _untimed(sizes: list[int]) -> list[int]:
+        # Each size's neighbours on the ladder, the larger first, not yet tried.
         near: list[int] = []
-        for t in sorted(warm, key=lambda t: (warm[t], t)):
-            if warm[t] > fastest * (1 + _timing.TIE):
-                break
+        for t in sizes:
             i = ladder.index(t)
             near += ladder[i + 1 : i + 2] + ladder[max(i - 1, 0) : i]
-        near = [s for s in near if s not in warm and s not in refused]
-        if not near:
-            break
-        s = near[0]
-        if end - time.perf_counter() < per_size + 2 * max(fastest, _timing.SAMPLE):
-            break
-        if measure(s).total <= limit:
-            warm[s] = _timing.sample(run(s))
-        else:
-            refused.add(s)
-    if len(warm) < 2:
-        return {}
-    runs = {s: run(s) for s in warm}
-    budget = max(end - time.perf_counter(), 0.0)
-    return _timing.time_each(runs, budget, min_rounds=0, warm=warm)
+        return [s for s in near if s not in warm and s not in refused]
+
+    while True:
+        descended = False
+        while True:
+            # The untimed neighbours of the sizes within `_timing.TIE` of the
+            # fastest, the fastest's first: a descent that also walks a plateau.
+            fastest = min(warm.values())
+            order = sorted(warm, key=lambda t: (warm[t], t))
+            near = _untimed([t for t in order if warm[t] <= fastest * tie])
+            if not near:
+                break
+            s = near[0]
+            if end - time.perf_counter() < per_size + 2 * max(fastest, _timing.SAMPLE):
+                break
+            if measure(s).total <= limit:
+                warm[s] = _timing.sample(run(s))
+                descended = True
+            else:
+                refused.add(s)
+        if len(warm) < 2:
+            return {}
+        runs = {s: run(s) for s in warm}
+        budget = max(end - time.perf_counter(), 0.0)
+        times = _timing.time_each(runs, budget, min_rounds=0, warm=warm)
+        # The rounds may find another fastest than the single samples did.
+        best = min(times, key=lambda s: (times[s], s))
+        if not descended or not _untimed([best]):
+            return times
+        warm = dict(times)
 
 
 def choose_chunk_size(
