@@ -1,3 +1,4 @@
+import ast
 import os
 from typing import Any
 
@@ -5,6 +6,45 @@ import hypothesis
 import jax
 import jax.random as jr
 import pytest
+
+
+def _check_top_level_functions_only() -> None:
+    """The package runs type-checked (`--jaxtyping-packages` in `pyproject.toml`):
+    jaxtyping's import hook decorates every function the package defines. A closure
+    is decorated anew each time its enclosing function runs, and beartype generates
+    and compiles a checker each time: the closures of the hot paths, made per call
+    and per trace, cost a fifth of the suite's time (`tests/test_collectives_sizes.py`
+    77 s against 62 s without). So closures are left as written; every module-level
+    function, class and method, every public signature among them, stays checked.
+    Applied only where the installed jaxtyping has the transformer as expected,
+    with a bytecode cache of its own."""
+    try:
+        from jaxtyping import _import_hook as hook
+    except ImportError:
+        return
+    transformer: Any = getattr(hook, "JaxtypingTransformer", None)
+    typechecker: Any = getattr(hook, "Typechecker", None)
+    if not (hasattr(transformer, "visit_FunctionDef") and typechecker is not None):
+        return
+    decorate = transformer.visit_FunctionDef
+    get_hash = typechecker.get_hash
+
+    def visit_FunctionDef(self: Any, node: ast.FunctionDef) -> Any:
+        parents: list[ast.AST] | None = getattr(self, "_parents", None)
+        if parents is not None and any(
+            isinstance(p, ast.FunctionDef | ast.AsyncFunctionDef) for p in parents
+        ):  # a closure: visited, not decorated
+            parents.append(node)
+            self.generic_visit(node)
+            parents.pop()
+            return node
+        return decorate(self, node)
+
+    transformer.visit_FunctionDef = visit_FunctionDef
+    typechecker.get_hash = lambda self: get_hash(self) + "closures"
+
+
+_check_top_level_functions_only()
 
 
 # Strict JAX, so that shape and dtype bugs cannot hide behind promotion.
