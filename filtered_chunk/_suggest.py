@@ -15,7 +15,10 @@ def suggest_chunk_size(
     fun: Callable[..., Any], /, *args: Any, **kwargs: Any
 ) -> ChunkSizeChoice:
     """Reports the chunk size a chunked transform built with a memory budget would
-    choose for these arguments, without running anything.
+    choose for these arguments, without making the call. Choosing compiles the
+    sizes it measures and, by default on CPU, runs a few of them on random inputs
+    of the call's shapes to time them (the `tune` option of
+    [`filtered_chunk.MemoryBudget`][]).
 
     **Arguments:**
 
@@ -48,10 +51,10 @@ def suggest_chunk_size(
         import filtered_chunk as fc
 
         def f(x):
-            return jnp.sum(jnp.tanh(jnp.outer(x, x)))
+            return jnp.tanh(jnp.outer(x, x)) @ x  # 256 KiB of working set each
 
         chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget("16MiB"))
-        xs = jax.ShapeDtypeStruct((100_000, 256), jnp.float32)
+        xs = jax.ShapeDtypeStruct((4_096, 256), jnp.float32)
         choice = fc.suggest_chunk_size(chunked, xs)
         print(choice.chunk_size, choice.bytes, choice.tried)
         assert choice.bytes <= choice.budget == 16 * 2**20
