@@ -64,11 +64,13 @@ def test_gradients_match_plain_call(batch_size, remainder, checkpoint, getkey):
 
     f = lambda p, x, z: chunked(p, x, z, "s")[0]
     oracle = lambda p, x, z: _model(p, x, z, "s")[0]
-    grads = jax.grad(loss(f), (0, 1, 2))(params, x, z)
-    assert tree_allclose(grads, jax.grad(loss(oracle), (0, 1, 2))(params, x, z))
+    # Eager at the largest batch; under `jit` (one compilation) at the others.
+    run = (lambda g: g) if batch_size == 2 * CHUNK + 1 else jax.jit
+    grad = lambda f: run(jax.grad(loss(f), (0, 1, 2)))(params, x, z)  # noqa: E731
+    assert tree_allclose(grad(f), grad(oracle))
     tangents = jtu.tree_map(lambda a: jr.normal(getkey(), a.shape), (params, x, z))
-    jvp = jax.jvp(f, (params, x, z), tangents)
-    assert tree_allclose(jvp, jax.jvp(oracle, (params, x, z), tangents))
+    jvp = lambda f: run(lambda *t: jax.jvp(f, (params, x, z), t))(*tangents)  # noqa: E731
+    assert tree_allclose(jvp(f), jvp(oracle))
 
 
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))
