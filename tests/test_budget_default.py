@@ -232,16 +232,26 @@ def test_default_on_an_accelerator_is_the_largest(default, monkeypatch):
     assert not default
 
 
-def test_time_each_stops_at_its_budget():
+def test_time_each_stops_at_its_budget(monkeypatch):
+    # Each run repeated 3 times a sample: fixed, since the count is read from a
+    # warm-up's time, which a loaded machine can stretch (CI saw 4 against 101).
+    monkeypatch.setattr(timing, "_repeats", lambda first: 3)
     calls: list[int] = []
     runs = {k: (lambda k=k: calls.append(k)) for k in (1, 2, 3)}
     times = timing.time_each(runs, 0.0, min_rounds=1)
     assert sorted(times) == [1, 2, 3]
-    # A warm-up and one round each (a run repeated to outlast the timer's noise).
-    assert calls.count(1) == calls.count(2) == calls.count(3) >= 2
+    # A warm-up and one round of a sample each.
+    assert calls.count(1) == calls.count(2) == calls.count(3) == 1 + 3
     calls.clear()
     timing.time_each(runs, 0.0)
-    assert calls.count(1) > 2  # `MIN_ROUNDS` rounds at least
+    assert calls.count(1) == 1 + 3 * timing.MIN_ROUNDS  # `MIN_ROUNDS` rounds
+
+
+def test_a_sample_outlasts_the_timers_noise():
+    # Runs shorter than `SAMPLE` seconds repeat to outlast it, at most 100 times.
+    assert timing._repeats(timing.SAMPLE * 2) == 1
+    assert timing._repeats(timing.SAMPLE / 4) == 4
+    assert timing._repeats(1e-9) == 100
 
 
 def test_default_under_grad_and_jit(default):
