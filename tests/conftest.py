@@ -9,7 +9,7 @@ import jax.random as jr
 import pytest
 
 
-def _check_top_level_functions_only() -> None:
+def _check_closures_only_where_they_name_arrays() -> None:
     """The package runs type-checked (`--jaxtyping-packages` in `pyproject.toml`):
     jaxtyping's import hook decorates every function the package defines. A closure
     is decorated anew each time its enclosing function runs, and beartype generates
@@ -44,20 +44,23 @@ def _check_top_level_functions_only() -> None:
     def visit_FunctionDef(self: Any, node: ast.FunctionDef) -> Any:
         parents: list[ast.AST] | None = getattr(self, "_parents", None)
         functions = ast.FunctionDef | ast.AsyncFunctionDef
-        nested = parents is not None and any(isinstance(p, functions) for p in parents)
-        if parents is not None and nested and not _holds_arrays(node):
-            # A closure without array annotations: visited, not decorated.
-            parents.append(node)
-            self.generic_visit(node)
-            parents.pop()
-            return node
-        return decorate(self, node)
+        if (
+            parents is None
+            or not any(isinstance(p, functions) for p in parents)
+            or _holds_arrays(node)
+        ):
+            return decorate(self, node)
+        # A closure without array annotations: visited, not decorated.
+        parents.append(node)
+        self.generic_visit(node)
+        parents.pop()
+        return node
 
     transformer.visit_FunctionDef = visit_FunctionDef
     typechecker.get_hash = lambda self: get_hash(self) + "arrayclosures"
 
 
-_check_top_level_functions_only()
+_check_closures_only_where_they_name_arrays()
 
 
 # Strict JAX, so that shape and dtype bugs cannot hide behind promotion.
