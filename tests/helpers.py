@@ -1,5 +1,5 @@
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -7,6 +7,30 @@ import jax
 
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def remainders(batch_size: int, chunk_size: int | None) -> tuple[str, ...]:
+    """The `remainder` modes that differ at these sizes: both where the chunk size
+    leaves a remainder (smaller than the batch, not dividing it); else only the
+    default, since both run the same program
+    (`test_remainder.py::test_modes_without_a_remainder_are_one_program`)."""
+    if chunk_size is not None and chunk_size < batch_size and batch_size % chunk_size:
+        return ("overlap", "separate")
+    return ("overlap",)
+
+
+def chunkings(
+    batch_size: int, chunk_sizes: Iterable[int | None]
+) -> list[tuple[int | None, str]]:
+    """`(chunk_size, remainder)` for each chunk size and each mode that differs
+    (`remainders`), for a grid over a batch of `batch_size`."""
+    return [(k, r) for k in chunk_sizes for r in remainders(batch_size, k)]
+
+
+def batchings(batch_sizes: Iterable[int], chunk_size: int) -> list[tuple[int, str]]:
+    """`(batch_size, remainder)` for each batch size and each mode that differs
+    (`remainders`), for a grid at one chunk size."""
+    return [(n, r) for n in batch_sizes for r in remainders(n, chunk_size)]
 
 
 def tree_allclose(x: Any, y: Any, *, rtol: float = 1e-5, atol: float = 1e-8) -> bool:

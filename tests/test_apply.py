@@ -12,7 +12,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import scan_counts, tree_allclose
+from .helpers import batchings, chunkings, scan_counts, tree_allclose
 
 
 CHUNK = 3
@@ -37,9 +37,10 @@ def _inputs(getkey, batch_size):
     return params, x, jr.normal(getkey(), (2, batch_size))
 
 
-@pytest.mark.parametrize("batch_size", BATCH_SIZES)
-@pytest.mark.parametrize("chunk_size", (CHUNK, 8, None))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "batch_size, chunk_size, remainder",
+    [(n, *c) for n in BATCH_SIZES for c in chunkings(n, (CHUNK, 8, None))],
+)
 def test_matches_plain_call(batch_size, chunk_size, remainder, getkey):
     params, x, z = _inputs(getkey, batch_size)
     chunked = fc.filter_chunked_apply(
@@ -48,8 +49,10 @@ def test_matches_plain_call(batch_size, chunk_size, remainder, getkey):
     assert tree_allclose(chunked(params, x, z, "s"), _model(params, x, z, "s"))
 
 
-@pytest.mark.parametrize("batch_size", (1, CHUNK + 1, 2 * CHUNK + 1))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "batch_size, remainder",
+    batchings((1, CHUNK + 1, 2 * CHUNK + 1), CHUNK),
+)
 @pytest.mark.parametrize(
     "checkpoint", (True, False, jax.checkpoint_policies.dots_saveable)
 )

@@ -13,7 +13,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import chunkings, tree_allclose
 
 
 N = 10
@@ -32,8 +32,7 @@ def _both(f, *args, **kwargs):
     assert tree_allclose(eqx.filter_jit(chunked)(*args), expected)
 
 
-@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, CHUNK_SIZES))
 def test_axis_size_reaching_a_non_array_output(chunk_size, remainder):
     # A Python int, returned beside the mapped output: no array shows it.
     f = lambda x: (x * 2, lax.axis_size("i"))
@@ -45,8 +44,7 @@ def test_axis_size_reaching_a_non_array_output(chunk_size, remainder):
     assert tree_allclose(out, eqx.filter_vmap(f, axis_name="i")(XS))
 
 
-@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, CHUNK_SIZES))
 def test_psum_of_a_constant_reaching_an_unmapped_output(chunk_size, remainder):
     h = lambda x: (x, lax.psum(2.0, "i"))
     kwargs: dict[str, Any] = dict(out_axes=(0, None))
@@ -83,8 +81,7 @@ _READ_IN_PYTHON = {
 
 
 @pytest.mark.parametrize("name", _READ_IN_PYTHON)
-@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, CHUNK_SIZES))
 def test_axis_size_read_in_python(name, chunk_size, remainder):
     f = _READ_IN_PYTHON[name]
     _both(f, XS, chunk_size=chunk_size, remainder=remainder)
@@ -95,8 +92,7 @@ def test_axis_size_read_in_python(name, chunk_size, remainder):
     assert tree_allclose(grad(chunked)(XS), grad(eqx.filter_vmap)(XS))
 
 
-@pytest.mark.parametrize("chunk_size", (2, 3, 4))
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, (2, 3, 4)))
 def test_axis_size_with_an_impure_trace(chunk_size, remainder):
     # Random numbers drawn when traced make every trace differ: the size read
     # beside them is still the batch's.
@@ -167,8 +163,7 @@ def _carried(kind):
 
 
 @pytest.mark.parametrize("kind", ("fori_loop", "scan", "while_loop", "cond"))
-@pytest.mark.parametrize("chunk_size", (1, 3, 10))
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, (1, 3, 10)))
 def test_unmapped_output_carried_beside_a_mapped_value(kind, chunk_size, remainder):
     kwargs: dict[str, Any] = dict(in_axes=(0, None), out_axes=(0, None))
     f = _carried(kind)
@@ -214,7 +209,6 @@ _EMPTY = {
 
 
 @pytest.mark.parametrize("name", _EMPTY)
-@pytest.mark.parametrize("chunk_size", (1, 3, 4))
-@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(N, (1, 3, 4)))
 def test_operands_of_no_elements(name, chunk_size, remainder):
     _both(_EMPTY[name], jnp.zeros((N, 0)), chunk_size=chunk_size, remainder=remainder)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import batchings, tree_allclose
 from .meters import recorder
 from .staged_cases import num_passes, staged_call, vmap_call
 
@@ -21,7 +21,7 @@ K = 3
 # With a batch of at most `K`, both remainders are one `jax.vmap`; 11 is prime.
 SIZES = (0, 1, K - 1, K, K + 1, 2 * K + 1, 11)
 REMAINDERS = ("overlap", "separate")
-CASES = [(n, "overlap") for n in SIZES] + [(n, "separate") for n in SIZES if n > K]
+CASES = batchings(SIZES, K)
 
 
 def _all_collectives(m, u):

@@ -17,7 +17,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import scan_counts, tree_allclose
+from .helpers import batchings, remainders, scan_counts, tree_allclose
 from .meters import check_one_call, recorder
 
 
@@ -64,10 +64,14 @@ def _cotangent(getkey, out):
     return [jr.normal(getkey(), o.shape, o.dtype) for o in jtu.tree_leaves(out)]
 
 
-@pytest.mark.parametrize("batch_size", BATCH_SIZES)
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
 @pytest.mark.parametrize(
-    "chunk_size, checkpoint", [(CHUNK, c) for c in CHECKPOINTS] + [(8, True)]
+    "batch_size, chunk_size, checkpoint, remainder",
+    [
+        (n, k, c, r)
+        for n in BATCH_SIZES
+        for k, c in [(CHUNK, c) for c in CHECKPOINTS] + [(8, True)]
+        for r in remainders(n, k)
+    ],
 )
 def test_grad_matches_filter_vmap(
     batch_size, chunk_size, remainder, checkpoint, getkey
@@ -81,8 +85,10 @@ def test_grad_matches_filter_vmap(
     assert tree_allclose(grad, expected)
 
 
-@pytest.mark.parametrize("batch_size", (1, CHUNK + 1, 2 * CHUNK + 1))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "batch_size, remainder",
+    batchings((1, CHUNK + 1, 2 * CHUNK + 1), CHUNK),
+)
 def test_vjp_and_jvp_match_filter_vmap(batch_size, remainder, getkey):
     params, x = _inputs(getkey, batch_size)
     chunked, oracle = _maps(CHUNK, remainder)
@@ -262,8 +268,10 @@ def test_checkpoint_policy_saves_chosen_residuals(getkey):
     assert remat < policy < save_all
 
 
-@pytest.mark.parametrize("batch_size", (CHUNK + 1, 2 * CHUNK + 1, 2 * CHUNK))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    "batch_size, remainder",
+    batchings((CHUNK + 1, 2 * CHUNK + 1, 2 * CHUNK), CHUNK),
+)
 def test_derivatives_keep_weak_types(batch_size, remainder):
     x = jax.lax.broadcast(jnp.asarray(1.5), (batch_size,))
     assert jax.typeof(x).weak_type

@@ -13,7 +13,7 @@ import pytest
 import filtered_chunk as fc
 import filtered_chunk._eager as eager_module
 
-from .helpers import count_compiles, tree_allclose
+from .helpers import chunkings, count_compiles, tree_allclose
 from .transforms import JACOBIANS, TRANSFORMS
 
 
@@ -23,8 +23,7 @@ _MAPS = ("filter_chunked_vmap", "filter_chunked_apply")
 _CLOSED = jnp.arange(3.0)
 
 
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
-@pytest.mark.parametrize("chunk_size", (None, 3))
+@pytest.mark.parametrize("chunk_size, remainder", chunkings(10, (None, 3)))
 @pytest.mark.parametrize(
     "value",
     (np.float64(1e-12), np.full(2, 1e-12, np.float64), np.int8(3), _CLOSED),

@@ -11,13 +11,14 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import chunkings, tree_allclose
 
 
-@pytest.mark.parametrize("batch_size", (0, 1, 2, 3, 4, 7))
-@pytest.mark.parametrize("chunk_size", (1, 3, 8))
+@pytest.mark.parametrize(
+    "batch_size, chunk_size, remainder",
+    [(n, *c) for n in (0, 1, 2, 3, 4, 7) for c in chunkings(n, (1, 3, 8))],
+)
 @pytest.mark.parametrize("out_axis", (0, 1, -1))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
 def test_matches_filter_vmap(batch_size, chunk_size, out_axis, remainder, getkey):
     x = jr.normal(getkey(), (batch_size, 3))
     f = lambda x, n: (jnp.outer(x, x) * n, "static")

@@ -4,13 +4,14 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import remainders, tree_allclose
 
 
 def _boundary_sizes(chunk_size: int) -> tuple[int, ...]:
@@ -38,6 +39,37 @@ def test_boundary_sizes(chunk_size, batch_size, remainder, getkey):
         f, chunk_size=chunk_size, remainder=remainder, **kwargs
     )(x, w)
     assert tree_allclose(actual, expected)
+
+
+def test_modes_without_a_remainder_are_one_program():
+    # The grids of the other tests run `remainder="separate"` only where a chunk
+    # size leaves a remainder (`helpers.remainders`): elsewhere both modes trace to
+    # the same program, evaluated and differentiated, with a collective or not.
+    def f(x, w):
+        y = jnp.sin(x) * w
+        return y - lax.pmean(y, "i"), jnp.cos(x)
+
+    def programs(batch_size, chunk_size, remainder):
+        kwargs: dict[str, Any] = dict(chunk_size=chunk_size, remainder=remainder)
+        chunked = fc.filter_chunked_vmap(f, in_axes=(0, None), axis_name="i", **kwargs)
+        applied = fc.filter_chunked_apply(
+            lambda x, w: jnp.sin(x) * w, in_axes=(0, None), **kwargs
+        )
+        loss = lambda x, w: jnp.sum(chunked(x, w)[0] ** 2)  # noqa: E731
+        args = (jnp.linspace(0.5, 2.0, batch_size), jnp.asarray(1.5))
+        return [
+            str(jax.make_jaxpr(g)(*args))
+            for g in (chunked, jax.grad(loss, argnums=(0, 1)), applied)
+        ]
+
+    checked = 0
+    for batch_size in (0, 1, 2, 4, 6):
+        for chunk_size in range(1, batch_size + 2):
+            if remainders(batch_size, chunk_size) == ("overlap",):
+                overlap = programs(batch_size, chunk_size, "overlap")
+                assert overlap == programs(batch_size, chunk_size, "separate")
+                checked += 1
+    assert checked == 15
 
 
 @pytest.mark.parametrize("batch_size", (4, 5, 7))

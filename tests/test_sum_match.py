@@ -13,7 +13,7 @@ import pytest
 
 import filtered_chunk as fc
 
-from .helpers import tree_allclose
+from .helpers import batchings, tree_allclose
 from .meters import check_one_call, recorder
 
 
@@ -57,8 +57,7 @@ def close(actual: Any, expected: Any, rtol: float = 1e-5) -> bool:
     return tree_allclose(a, e, rtol=rtol, atol=1e-5) and ok16
 
 
-@pytest.mark.parametrize("batch_size", SIZES)
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize("batch_size, remainder", batchings(SIZES, K))
 def test_matches_filter_vmap(batch_size, remainder, getkey):
     w = jr.normal(getkey(), (2,))
     x = jr.normal(getkey(), (batch_size, 2))
