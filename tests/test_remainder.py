@@ -44,23 +44,27 @@ def test_boundary_sizes(chunk_size, batch_size, remainder, getkey):
 def test_modes_without_a_remainder_are_one_program():
     # The grids of the other tests run `remainder="separate"` only where a chunk
     # size leaves a remainder (`helpers.remainders`): elsewhere both modes trace to
-    # the same program, evaluated and differentiated, with a collective or not.
+    # the same program, evaluated and differentiated, with a collective across
+    # chunks (the staged passes) or without (the plain loop), and chunked `apply`'s.
     def f(x, w):
         y = jnp.sin(x) * w
         return y - lax.pmean(y, "i"), jnp.cos(x)
 
+    g = lambda x, w: jnp.sin(x) * w  # noqa: E731
+
     def programs(batch_size, chunk_size, remainder):
-        kwargs: dict[str, Any] = dict(chunk_size=chunk_size, remainder=remainder)
-        chunked = fc.filter_chunked_vmap(f, in_axes=(0, None), axis_name="i", **kwargs)
-        applied = fc.filter_chunked_apply(
-            lambda x, w: jnp.sin(x) * w, in_axes=(0, None), **kwargs
+        kwargs: dict[str, Any] = dict(
+            in_axes=(0, None), chunk_size=chunk_size, remainder=remainder
         )
-        loss = lambda x, w: jnp.sum(chunked(x, w)[0] ** 2)  # noqa: E731
+        staged = fc.filter_chunked_vmap(f, axis_name="i", **kwargs)
+        plain = fc.filter_chunked_vmap(g, **kwargs)
+        applied = fc.filter_chunked_apply(g, **kwargs)
+        maps = (staged, plain, applied)
+        first = lambda m: lambda x, w: jax.tree.leaves(m(x, w))[0]  # noqa: E731
+        loss = lambda m: lambda x, w: jnp.sum(jnp.sin(first(m)(x, w)) ** 2)  # noqa: E731
+        grads = [jax.grad(loss(m), argnums=(0, 1)) for m in maps]
         args = (jnp.linspace(0.5, 2.0, batch_size), jnp.asarray(1.5))
-        return [
-            str(jax.make_jaxpr(g)(*args))
-            for g in (chunked, jax.grad(loss, argnums=(0, 1)), applied)
-        ]
+        return [str(jax.make_jaxpr(h)(*args)) for h in (*maps, *grads)]
 
     checked = 0
     for batch_size in (0, 1, 2, 4, 6):
