@@ -13,11 +13,9 @@ Two controls: the gradient with respect to the weights alone (no cotangent of `B
 no growth), and an `optimization_barrier` tying `B` to each reader's result, so
 that each backward loop would wait for the partial sum of the later ones (no
 change: XLA removes the barriers before it fuses). Through the carry they are far
-larger, as each step's carry is saved for the backward pass. Last, the remedy: each
-reader a `jax.custom_vjp` that passes `B` on to the next reader and, backward, adds
-its own cotangent chunk by chunk into the one the later readers accumulated, carried
-through its backward loop (checked against plain JAX's gradient; the largest
-difference relative to the gradient's largest entry is printed). See
+larger, as each step's carry is saved for the backward pass. Each gradient is
+checked against the first case's (the largest difference relative to its largest
+entry is printed). `accumulating_transpose.py` measures the remedy. See
 `benchmarks/README.md` (BatchNorm networks).
 """
 
@@ -49,50 +47,12 @@ def _carried(b, w):
     return lax.scan(body, (0.0, b), jnp.arange(N // K))[0][0]
 
 
-def _chunk(rows, w):
-    return jnp.sum(jnp.tanh(rows @ w))
-
-
-@jax.custom_vjp
-def _accumulating(b, w):
-    """Reads `b` as `_scanned` does and passes it on to the next reader."""
-    return _scanned(b, w), b
-
-
-def _accumulating_fwd(b, w):
-    return _accumulating(b, w), (b, w)
-
-
-def _accumulating_bwd(residuals, cotangents):
-    b, w = residuals
-    ct_y, ct_b = cotangents  # `ct_b`: the later readers' cotangent of `b`
-    chunks = b.reshape(N // K, K, D)
-
-    def body(j, carry):
-        acc, ct_w = carry
-        rows = lax.dynamic_index_in_dim(chunks, j, keepdims=False)
-        ct_rows, ct_wj = jax.vjp(_chunk, rows, w)[1](ct_y)
-        old = lax.dynamic_index_in_dim(acc, j, keepdims=False)
-        acc = lax.dynamic_update_index_in_dim(acc, old + ct_rows, j, 0)
-        return acc, ct_w + ct_wj
-
-    init = (jnp.broadcast_to(ct_b, b.shape).reshape(chunks.shape), jnp.zeros_like(w))
-    acc, ct_w = lax.fori_loop(0, N // K, body, init)
-    return acc.reshape(N, D), ct_w
-
-
-_accumulating.defvjp(_accumulating_fwd, _accumulating_bwd)
-
-
 def _loss(read, n, barrier):
     def loss(x, ws):
         b = jnp.tanh(x)
         total = 0.0
         for i in range(n):
-            if read is _accumulating:
-                y, b = _accumulating(b, ws[i])
-            else:
-                y = read(b, ws[i])
+            y = read(b, ws[i])
             if barrier:
                 b, y = lax.optimization_barrier((b, y))
             total = total + y
@@ -113,7 +73,6 @@ def main() -> None:
         ("scanned input", _scanned, False, 1, "weights only"),
         ("scanned input, barrier", _scanned, True, (0, 1), "x and weights"),
         ("carry", _carried, False, (0, 1), "x and weights"),
-        ("accumulating reader", _accumulating, False, (0, 1), "x and weights"),
     )
     for name, read, barrier, argnums, wrt in cases:
         for n in (1, 2, 4, 8):
