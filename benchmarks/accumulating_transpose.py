@@ -29,6 +29,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
 from _measure import compile_fn, median_seconds, MIB
+from cotangent_reads import chunk, D, K, N, relative_difference, scanned
 from jax.interpreters import ad, batching, mlir
 
 
@@ -56,6 +57,14 @@ def _instantiate(tangent, aval):
     if type(tangent) is ad.Zero:
         return jnp.zeros(aval.shape, aval.dtype)
     return tangent
+
+
+def _specs(avals):
+    # Shapes and dtypes to trace a transpose with: its cotangents' values never
+    # matter, so none are made.
+    return [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals
+    ]
 
 
 def _jvp(primals, tangents, *, callee, transpose, num_res):
@@ -98,8 +107,7 @@ def _batch(args, dims, *, callee, transpose, num_res):
         return jnp.moveaxis(x, d, 0)
 
     res_axes = [None if d is None else 0 for d in dims[:num_res]]
-    res = [x if d is None else front(x, d) for x, d in zip(args, dims)]
-    res = res[:num_res]
+    res = [x if d is None else front(x, d) for x, d in zip(args, dims[:num_res])]
     lin = [front(x, d) for x, d in zip(args[num_res:], dims[num_res:])]
 
     def batched(jaxpr, operands):
@@ -108,8 +116,7 @@ def _batch(args, dims, *, callee, transpose, num_res):
         return jax.make_jaxpr(fun)(*res, *operands)
 
     callee_b = batched(callee, lin)
-    cts = [jnp.zeros(a.shape, a.dtype) for a in callee_b.out_avals]
-    transpose_b = batched(transpose, cts)
+    transpose_b = batched(transpose, _specs(callee_b.out_avals))
     out = _linear_p.bind(
         *res, *lin, callee=callee_b, transpose=transpose_b, num_res=num_res
     )
@@ -127,32 +134,15 @@ def linear_call(fun, fun_transpose, residuals, linear):
     callee = jax.make_jaxpr(lambda *a: fun(a[: len(residuals)], a[len(residuals) :]))(
         *residuals, *linear
     )
-    out_avals = callee.out_avals
-    cts = [jnp.zeros(a.shape, a.dtype) for a in out_avals]
     transpose = jax.make_jaxpr(
         lambda *a: fun_transpose(a[: len(residuals)], a[len(residuals) :])
-    )(*residuals, *cts)
+    )(*residuals, *_specs(callee.out_avals))
     return _linear_p.bind(
         *residuals, *linear, callee=callee, transpose=transpose, num_res=len(residuals)
     )
 
 
 # --- the reader: a loop over chunks of `b`, passing `b` on -----------------------
-
-N, D, K = 8192, 128, 512
-
-
-def _chunk(rows, w):
-    return jnp.sum(jnp.tanh(rows @ w))
-
-
-def _plain(b, w):
-    # Each step checkpointed, as the library's loop and `cotangent_reads.py`.
-    @jax.checkpoint
-    def body(acc, rows):
-        return acc + _chunk(rows, w), None
-
-    return lax.scan(body, jnp.zeros((), b.dtype), b.reshape(-1, K, D))[0]
 
 
 def _tangent(residuals, linear):
@@ -163,7 +153,7 @@ def _tangent(residuals, linear):
 
     def body(acc, xs):
         rows, t_rows = xs
-        return acc + jax.jvp(_chunk, (rows, w), (t_rows, t_w))[1], None
+        return acc + jax.jvp(chunk, (rows, w), (t_rows, t_w))[1], None
 
     return lax.scan(body, jnp.zeros((), b.dtype), (chunks, t_chunks))[0], t_b
 
@@ -178,7 +168,7 @@ def _tangent_transpose(residuals, cotangents):
     def body(j, carry):
         acc, ct_w = carry
         rows = lax.dynamic_index_in_dim(chunks, j, keepdims=False)
-        ct_rows, ct_wj = jax.vjp(_chunk, rows, w)[1](ct_y)
+        ct_rows, ct_wj = jax.vjp(chunk, rows, w)[1](ct_y)
         old = lax.dynamic_index_in_dim(acc, j, keepdims=False)
         acc = lax.dynamic_update_index_in_dim(acc, old + ct_rows, j, 0)
         return acc, ct_w + ct_wj
@@ -190,8 +180,8 @@ def _tangent_transpose(residuals, cotangents):
 
 @jax.custom_jvp
 def reader(b, w):
-    """`_plain(b, w)` and `b`, passed on to the next reader."""
-    return _plain(b, w), b
+    """`scanned(b, w)` and `b`, passed on to the next reader."""
+    return scanned(b, w), b
 
 
 @reader.defjvp
@@ -208,18 +198,11 @@ def _loss(n, accumulating):
             if accumulating:
                 y, b = reader(b, ws[i])
             else:
-                y = _plain(b, ws[i])
+                y = scanned(b, ws[i])
             total = total + y
         return total
 
     return loss
-
-
-def _difference(got, want):
-    return max(
-        float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
-    )
 
 
 def _checks() -> None:
@@ -244,7 +227,7 @@ def _checks() -> None:
         "grad of grad": rr,
     }
     for name, case in cases.items():
-        difference = _difference(case(ours), case(plain))
+        difference = relative_difference(case(ours), case(plain))
         print(f"{name}: largest difference {difference:.1e} (relative)")
         assert difference < 1e-4, name
 
