@@ -232,3 +232,78 @@ def test_kept_memory_does_not_grow_with_depth(getkey):
 
     shallow, deep = kept_bytes(1), kept_bytes(4)
     assert deep - shallow < boundary
+
+
+@jax.custom_vjp
+def _doubled(h):
+    return 2.0 * h
+
+
+_doubled.defvjp(lambda h: (2.0 * h, None), lambda _, ct: (2.0 * ct,))
+
+
+def _reread(x, w, depth):
+    # `h` is kept by the first pass and read by every later one (through a
+    # `custom_vjp`, whose backward pass the leftover of an overlap runs apart).
+    h = jnp.tanh(x * w)
+    m = lax.pmean(h, "i")
+    for _ in range(depth):
+        m = lax.pmean(_doubled(h) * jnp.cos(m), "i")
+    return h * m
+
+
+@pytest.mark.parametrize(
+    "batch_size, remainder",
+    [(2, "overlap"), (7, "overlap"), (7, "separate"), (9, "overlap")],
+)
+def test_value_read_by_every_pass_derivatives(batch_size, remainder, getkey):
+    # Each loop that reads a kept value relays it to the next, and in reverse mode
+    # adds its cotangent into the one the later loops accumulated: gradients,
+    # Hessian-vector products and an outer `vmap` of gradients as
+    # `eqx.filter_vmap`'s, with chunks of 3 (one `vmap`, an overlap, a separate
+    # remainder, whole chunks).
+    x = jr.normal(getkey(), (batch_size, 4))
+    w = jr.normal(getkey(), (4,))
+    c = jr.normal(getkey(), (batch_size, 4))
+    kwargs: dict = dict(in_axes=(0, None, None), axis_name="i")
+    oracle = eqx.filter_vmap(_reread, **kwargs)
+    kept = fc.filter_chunked_vmap(
+        _reread, chunk_size=3, remainder=remainder, keep_boundaries=True, **kwargs
+    )
+
+    def grad(f):
+        return jax.grad(lambda _x, _w: jnp.sum(c * f(_x, _w, 3)), argnums=(0, 1))
+
+    assert tree_allclose(grad(kept)(x, w), grad(oracle)(x, w))
+    assert tree_allclose(jax.jit(grad(kept))(x, w), grad(oracle)(x, w))
+    tx, tw = jr.normal(getkey(), x.shape), jr.normal(getkey(), w.shape)
+    hvp = lambda f: jax.jvp(grad(f), (x, w), (tx, tw))  # noqa: E731
+    assert tree_allclose(hvp(kept), hvp(oracle))
+    xs = jnp.stack([x, -x])
+    outer = lambda f: jax.vmap(grad(f), in_axes=(0, None))(xs, w)  # noqa: E731
+    assert tree_allclose(outer(kept), outer(oracle))
+
+
+def test_kept_cotangent_memory_does_not_grow_with_readers(getkey):
+    # Under `jax.grad`, a kept value read by `n` loops has one batch-sized
+    # cotangent, which their transposed loops add into in place; were each to
+    # make its own, XLA would sum them after the last, with all `n` alive (a
+    # buffer more a reader: `benchmarks/cotangent_reads.py`).
+    x = jr.normal(getkey(), (256, 8))
+    w = jr.normal(getkey(), (8,))
+    c = jr.normal(getkey(), x.shape)  # an argument: no constant cotangent to fold
+    boundary = x.size * x.dtype.itemsize  # one kept value of every element
+
+    def grad_bytes(depth):
+        kept = fc.filter_chunked_vmap(
+            lambda _x, _w: _reread(_x, _w, depth),
+            in_axes=(0, None),
+            axis_name="i",
+            chunk_size=32,
+            keep_boundaries=True,
+        )
+        loss = lambda _x, _w, _c: jnp.sum(_c * kept(_x, _w))  # noqa: E731
+        return compiled_bytes(jax.grad(loss, argnums=(0, 1)), x, w, c)
+
+    few, many = grad_bytes(1), grad_bytes(5)
+    assert many - few < boundary

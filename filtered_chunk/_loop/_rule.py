@@ -33,6 +33,16 @@ rows that no whole chunk covers, so that every row is computed once, as under
 `jax.vmap` (`tests/test_derivatives.py`, the tests of a `custom_vjp`). The
 evaluated loop keeps its one overlapping step.
 
+An input that the loop *relays* (`run_in_chunks(..., relay=...)`: a stage
+boundary that a later loop reads again) is returned as it is, and its tangent
+rides the scan's carry instead of being split into a stack: each step reads its
+rows, and it leaves the loop as the relayed output's tangent. The transposed loop
+then carries the cotangent that the later loops accumulated and adds each step's
+rows into it in place, so a boundary that `n` loops read has one batch-sized
+cotangent, not `n` that XLA keeps alive to sum after the last
+(`tests/test_collectives_boundaries.py`,
+`test_kept_cotangent_memory_does_not_grow_with_readers`).
+
 A cotangent through the loop has the weak type that the chunk function's transpose
 gives it, as under `jax.vmap`, not one that the loop's slices, sums or checkpoint
 impose: each tangent passes `_weak_types.fork`/`join` where it enters and leaves
@@ -122,10 +132,11 @@ def scan_chunks(
     rest_fn: ArraysFn | None,
     *,
     loop: Schedule,
-) -> tuple[list[Array], PyTree[Array]]:
+) -> tuple[list[Array], PyTree[Array], list[Array]]:
     """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
-    into `buffers` with `loop.write`; returns the buffers and the last step's
-    unbatched outputs.
+    into `buffers` with `loop.write`; returns the buffers, the last step's
+    unbatched outputs and the inputs that the loop relays (`loop.relay`:
+    returned as they are, for a later loop to read; see `_run_jvp`).
 
     `fn` holds the arrays it closes over as its PyTree leaves (made by
     `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
@@ -157,7 +168,11 @@ def scan_chunks(
     # index with shapes of that type, which strict dtype promotion requires.
     init = (buffers, unbatched, jnp.zeros((), int))
     (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
-    return buffers, unbatched
+    return buffers, unbatched, _relayed(jtu.tree_leaves(inputs), loop)
+
+
+def _relayed(leaves: list[Any], loop: Schedule) -> list[Any]:
+    return [leaves[i] for i in loop.relay]
 
 
 @scan_chunks.def_jvp
@@ -179,12 +194,40 @@ def _run_jvp(
     (t_fn, t_inputs), steps_probes, first_probes, *rest_probes = fork_tree(
         (t_fn, t_inputs), shapes
     )
-    t_chunks = jtu.tree_map(
-        lambda axis, t: None if t is None else steps.split(t, axis),
-        loop.in_axes,
-        t_inputs,
-        is_leaf=is_none,
+    # A relayed input's tangent rides the carry, each step reading its rows, and
+    # leaves the loop as the relayed output's: in reverse mode the cotangent that
+    # the later loops give it is carried back through this loop's transpose,
+    # each step adding its rows' in place, rather than each loop making a
+    # batch-sized cotangent of its own for XLA to sum after them all (which keeps
+    # them all alive: `benchmarks/cotangent_reads.py`). Every other tangent is
+    # a scanned input, split into a stack of chunks.
+    # Each input's tangent (`None`: none) and axis (`in_axes` is a prefix).
+    t_def = jtu.tree_structure(inputs)
+    t_leaves = t_def.flatten_up_to(t_inputs)
+    axes = t_def.flatten_up_to(
+        jtu.tree_map(lambda a, x: jtu.tree_map(lambda _: a, x), loop.in_axes, inputs)
     )
+    t_relay = _relayed(t_leaves, loop)
+    t_chunks = jtu.tree_unflatten(
+        t_def,
+        [
+            None if t is None or i in loop.relay else steps.split(t, axis)
+            for i, (t, axis) in enumerate(zip(t_leaves, axes, strict=True))
+        ],
+    )
+
+    def _with_relayed(_t_chunk: Any, _t_relay: list[Any], start: Any) -> Any:
+        # Each relayed tangent's rows at `start`, among the chunks' tangents.
+        if not loop.relay:
+            return _t_chunk
+        leaves = t_def.flatten_up_to(_t_chunk)
+        for i, t in zip(loop.relay, _t_relay, strict=True):
+            if t is not None:
+                leaves[i] = lax.dynamic_slice_in_dim(
+                    t, start, steps.chunk_size, axes[i], allow_negative_indices=False
+                )
+        return jtu.tree_unflatten(t_def, leaves)
+
     step = checkpointed(_jvp_step, loop.checkpoint)
     # The tangents of accumulated sums are summed in the carry, as their primals
     # are: their size, not the batch's (`_accumulate.py`).
@@ -193,9 +236,10 @@ def _run_jvp(
         for b, which in zip(buffers, loop.kinds, strict=True)
     ]
 
-    def _body(carry: tuple[Any, Any, Any], xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        _buffers, _, _t_sums = carry
+    def _body(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, Any]:
+        _buffers, _, _t_sums, _t_relay = carry
         start, _t_chunk, _probes = xs
+        _t_chunk = _with_relayed(_t_chunk, _t_relay, start)
         _t_fn, _t_chunk = join_tree((t_fn, _t_chunk), _probes)
         (_chunk, _unbatched), (_t_out, _) = step(
             fn, _t_fn, inputs, start, _t_chunk, loop
@@ -209,10 +253,15 @@ def _run_jvp(
             for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
         ]
         _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
-        return (_buffers, _unbatched, _t_sums), (_t_out, _out_probes)
+        # `+ 0`, which XLA removes, so that JAX does not see the carry pass through
+        # unchanged: it would hoist it out of the loop, and the transposed loop
+        # would start its cotangent from zeros rather than from the later loops'.
+        _t_relay = [None if t is None else t + 0 for t in _t_relay]
+        return (_buffers, _unbatched, _t_sums, _t_relay), (_t_out, _out_probes)
 
-    (buffers, unbatched, t_sums), (t_stacks, out_probes) = lax.scan(
-        _body, (buffers, unbatched, t_sums), (steps.starts(), t_chunks, steps_probes)
+    init = (buffers, unbatched, t_sums, t_relay)
+    (buffers, unbatched, t_sums, t_relay), (t_stacks, out_probes) = lax.scan(
+        _body, init, (steps.starts(), t_chunks, steps_probes)
     )
     # An accumulated sum's tangent is its carry; a running maximum's is zero.
     t_stacks = [t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)]
@@ -237,6 +286,7 @@ def _run_jvp(
         for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
     ]
     t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
+    t_first = _with_relayed(t_first, t_relay, jnp.array(0))
     t_first = join_tree((t_fn, t_first), first_probes)
     t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
     t_unbatched = jtu.tree_map(
@@ -244,7 +294,12 @@ def _run_jvp(
         unbatched,
         t_unbatched,
     )
-    return (buffers, unbatched), (t_buffers, t_unbatched)
+    relayed = _relayed(jtu.tree_leaves(inputs), loop)
+    t_relayed = [
+        _zero_tangent(x) if t is None else t
+        for x, t in zip(relayed, t_relay, strict=True)
+    ]
+    return (buffers, unbatched, relayed), (t_buffers, t_unbatched, t_relayed)
 
 
 def _zero_tangent(x: Array) -> Any:

@@ -159,7 +159,8 @@ def run_in_chunks(
     options: LoopOptions,
     loop: str | None = None,
     spares: Sequence[Array] = (),
-) -> ChunkOutput:
+    relay: Sequence[int] = (),
+) -> tuple[ChunkOutput, list[Array]]:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
     Returns what `chunk_fn(inputs, batch_size)` would, with the batched outputs
@@ -167,6 +168,13 @@ def run_in_chunks(
     (`reduced`); with `chunk_size >= batch_size`, that one `vmap`. Each step
     reports to the options' progress meter (labelled with their `api`, and
     `loop` if one of several): see `_reporting.py`.
+
+    Also returns the inputs at the positions `relay` (among the leaves of
+    `inputs`), as they are: a later loop that reads one of them again should read
+    the returned array. In reverse mode its cotangent then accumulates through
+    the loops that read it, one batch-sized buffer in all, where each loop would
+    otherwise make one of its own and XLA keep them all alive to sum them
+    (`_rule.py`).
 
     `spares` are arrays the caller no longer needs: a written output of exactly
     a spare's type is written into it rather than into a new buffer (every row
@@ -182,7 +190,8 @@ def run_in_chunks(
         found = reporter(meter, options.api, steps, loop)
         out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
         report_step(found, jnp.asarray(0), batch_size, out.batched)
-        return out
+        leaves = jtu.tree_leaves(inputs)
+        return out, [leaves[i] for i in relay]
     steps = Steps.of(batch_size, options.chunk_size, options.remainder)
     found = reporter(options.progress_meter, options.api, steps, loop)
     chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
@@ -205,17 +214,28 @@ def run_in_chunks(
     if overlap and holds_custom_vjp(getattr(fn, "jaxpr", None)):
         rest_fn, _ = _convert(chunk_fn, inputs, in_axes, batch_size % chunk_size)
 
-    def _schedule(total: int, size: int, steps: int, found: Any) -> Schedule:
+    def _schedule(
+        total: int, size: int, steps: int, found: Any, relay: Sequence[int] = ()
+    ) -> Schedule:
         # Steps at `i * size`, the last clamped to end at the batch's end; the
         # loop's JVP rule keeps reverse mode linear in the batch, and checkpoints
         # each step only when differentiated: see `_rule.py`.
         write = lambda _b, _c, start, first: _write(_b, _c, layout, start, first)  # noqa: E731
         return Schedule(
-            in_axes, axes, total, size, steps, options.checkpoint, write, found, kinds
+            in_axes,
+            axes,
+            total,
+            size,
+            steps,
+            options.checkpoint,
+            write,
+            found,
+            kinds,
+            tuple(relay),
         )
 
-    whole = _schedule(batch_size, chunk_size, num_steps, found)
-    buffers, unbatched = scan_chunks(
+    whole = _schedule(batch_size, chunk_size, num_steps, found, relay)
+    buffers, unbatched, relayed = scan_chunks(
         fn, inputs, buffers, unbatched, rest_fn, loop=whole
     )
     if leftover != 0:
@@ -230,7 +250,7 @@ def run_in_chunks(
             _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
         ]
         one = _schedule(leftover, leftover, 1, None)
-        rest_buffers, unbatched = scan_chunks(
+        rest_buffers, unbatched, _ = scan_chunks(
             fn, rest, rest_buffers, unbatched, None, loop=one
         )
         # The accumulators of the whole chunks, then the remainder's (its own).
@@ -239,4 +259,4 @@ def run_in_chunks(
             for b, r, a, k in zip(buffers, rest_buffers, *layout, strict=True)
         ]
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
-    return shapes._replace(batched=batched, unbatched=unbatched)
+    return shapes._replace(batched=batched, unbatched=unbatched), relayed

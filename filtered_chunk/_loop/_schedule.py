@@ -82,6 +82,9 @@ class Schedule(eqx.Module):
     reporter: Reporter | None = eqx.field(static=True, default=None)
     # Per output: written (`None`) or accumulated (`_accumulate.py`).
     kinds: tuple[str | None, ...] = eqx.field(static=True, default=())
+    # Positions, among the leaves of the inputs, of those the loop relays: returns
+    # to a later loop that reads them again (`run_in_chunks(..., relay=...)`).
+    relay: tuple[int, ...] = eqx.field(static=True, default=())
 
     @property
     def num_whole(self) -> int:

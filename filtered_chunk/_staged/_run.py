@@ -104,6 +104,20 @@ def _stage_inputs(
     return list(batch[0]) + read, list(batch[1]) + [0] * len(read)
 
 
+def _relay(plan: Plan, stage: Any, num_batch: int) -> list[int]:
+    """The positions, among the leaves of the stage's loop's inputs (the call's
+    `num_batch` mapped leaves, then the kept values it reads), of the kept values
+    that a later stage reads again: the loop relays them (`run_in_chunks`) and
+    the later stage reads what it relays, so that in reverse mode each kept
+    value's cotangent accumulates in one buffer, in place, through the loops
+    that read it (this folder's `README.md`)."""
+    if stage == FINAL:
+        return []
+    later = [*range(stage + 1, plan.num_passes + 1), FINAL]
+    again = {v for s in later for v in plan.reads[s]}
+    return [num_batch + j for j, v in enumerate(plan.reads[stage]) if v in again]
+
+
 def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list[Array]:
     """The buffers that the loop of `level` may write its kept values into (see
     `run_in_chunks`), taken out of `free`, once the buffers that no stage from
@@ -146,7 +160,8 @@ def _pass(
 ) -> tuple[dict[int, list[Array]], Buffers]:
     """The results of the level's collectives, from one run of the library's loop
     (on each device's shard, then across the devices, if `shard` says so), and
-    the buffers of the kept values it writes (each device's its own rows).
+    the buffers of the kept values it writes or relays (each device's its own
+    rows).
 
     Its chunk function returns each operand's rows: a gather's are written into a
     batch-sized buffer, a reduction's are accumulated (`_loop/_accumulate.py`). A
@@ -188,7 +203,8 @@ def _pass(
         kinds += [None] * num_written
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
-    out = _loop(plan, _chunk_fn, inputs, options, shard, level, spares)
+    relay = _relay(plan, level, len(batch[0]))
+    out, relayed = _loop(plan, _chunk_fn, inputs, options, shard, level, spares, relay)
     values = list(out.batched)
     values, written = (
         values[: len(values) - num_written],
@@ -210,6 +226,8 @@ def _pass(
             top = next(values)
             acc.append((top, next(values) if carried else jnp.zeros_like(top)))
     kept = dict(zip(plan.writes[level], written, strict=True))
+    reads = plan.reads[level]
+    kept |= {reads[i - len(batch[0])]: x for i, x in zip(relay, relayed, strict=True)}
     return _results(plan, level, acc, gathered), kept
 
 
@@ -221,11 +239,13 @@ def _loop(
     shard: BatchSharding | None,
     level: int,
     spares: list[Array] | None = None,
-) -> ChunkOutput:
+    relay: list[int] | None = None,
+) -> tuple[ChunkOutput, list[Array]]:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
     library's loop, reported as loop `level` of the plan's, writing into
-    `spares` where it can."""
+    `spares` where it can; and the mapped leaves at the positions `relay`, as
+    the loop relays them."""
     num_devices = 1 if shard is None else shard.num_devices
     batch_size = plan.program.batch_size // num_devices
     positions = jnp.arange(batch_size)
@@ -244,6 +264,7 @@ def _loop(
         options=options,
         loop=label,
         spares=spares or (),
+        relay=relay or (),
     )
 
 
@@ -363,7 +384,10 @@ def _final(
         kinds = (None,) * len(out) + ("sum",) * len(summed)
         return ChunkOutput(leaves, (0,) * len(leaves), unbatched, None, kinds)
 
-    out = _loop(plan, _chunk_fn, batch, options, shard, plan.num_passes + 1)
+    relay = _relay(plan, FINAL, len(batch[0]) - len(plan.reads[FINAL]))
+    out, _ = _loop(
+        plan, _chunk_fn, batch, options, shard, plan.num_passes + 1, relay=relay
+    )
     out_mapped, summed = out.batched[:num_mapped], out.batched[num_mapped:]
     if shard is not None:
         summed = [across("sum", x, shard.axis_names) for x in summed]
