@@ -30,8 +30,8 @@ N = 8,192, chunks of 512) at L = 2 and 8, and a small convolutional network (two
 blocks of a 3x3 `Conv2d`, `BatchNorm` and ReLU over 16x16 images, N = 2,048, chunks
 of 256). Each runs evaluated and under `jax.grad` of a loss of its outputs, at the
 fixed chunk size recomputing (`False`) and keeping (`True`) the boundaries, and
-with a memory budget (`jax.vmap`'s own memory evaluated, a quarter of it under
-`jax.grad`), which chooses both. Time ratios are against `jax.vmap` in the same
+with a memory budget (`jax.vmap`'s own memory; under `jax.grad` also a quarter
+of it), which chooses both. Time ratios are against `jax.vmap` in the same
 run. `--quick` runs smaller sizes (and L = 4 for 8) and checks that keeping the
 boundaries gives the same values, needs no more memory evaluated than three
 boundaries beside the recomputing program, and that every budgeted program fits.
@@ -277,10 +277,13 @@ def _networks(name, depth, mode, quick):
 
     vmap = compile_fn(run(None, None), params, x)
     vmap_seconds = median_seconds(vmap.executable, params, x, repeats=5)
-    budget = vmap.temp_plus_output // (1 if mode == "evaluate" else 4)
-    settings = [(k, False), (k, True), (fc.MemoryBudget(budget), None)]
+    budgets = [vmap.temp_plus_output]
+    if mode == "grad":
+        budgets.append(vmap.temp_plus_output // 4)
+    settings = [(k, False, None), (k, True, None)]
+    settings += [(fc.MemoryBudget(b), None, b) for b in budgets]
     outputs, used = [], []
-    for chunk_size, keep in settings:
+    for chunk_size, keep, budget in settings:
         fn = run(chunk_size, keep)
         start = time.perf_counter()
         compiled = compile_fn(fn, params, x)
@@ -289,7 +292,7 @@ def _networks(name, depth, mode, quick):
         outputs.append(compiled.executable(params, x))
         used.append(compiled.temp_plus_output)
         size, kept = chunk_size, keep
-        if isinstance(chunk_size, fc.MemoryBudget):
+        if budget is not None:
             model, state = eqx.combine(params, static)
             chunked = fc.filter_chunked_vmap(model, chunk_size=chunk_size, **axes)
             if mode == "evaluate":
