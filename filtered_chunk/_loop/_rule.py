@@ -200,8 +200,8 @@ def _run_jvp(
     # each step adding its rows' in place, rather than each loop making a
     # batch-sized cotangent of its own for XLA to sum after them all (which keeps
     # them all alive: `benchmarks/cotangent_reads.py`). Every other tangent is
-    # a scanned input, split into a stack of chunks.
-    # Each input's tangent (`None`: none) and axis (`in_axes` is a prefix).
+    # a scanned input, split into a stack of chunks. Below, each input's tangent
+    # (`None`: none) and axis (`in_axes` is a prefix of the inputs).
     t_def = jtu.tree_structure(inputs)
     t_leaves = t_def.flatten_up_to(t_inputs)
     axes = t_def.flatten_up_to(

@@ -104,18 +104,21 @@ def _stage_inputs(
     return list(batch[0]) + read, list(batch[1]) + [0] * len(read)
 
 
-def _relay(plan: Plan, stage: Any, num_batch: int) -> list[int]:
-    """The positions, among the leaves of the stage's loop's inputs (the call's
+def _read_from(plan: Plan, level: int) -> set[Any]:
+    """The kept values that the stages from `level` on read."""
+    later = [*range(level, plan.num_passes + 1), FINAL]
+    return {v for stage in later for v in plan.reads[stage]}
+
+
+def _relay(plan: Plan, level: int, num_batch: int) -> list[int]:
+    """The positions, among the leaves of the level's loop's inputs (the call's
     `num_batch` mapped leaves, then the kept values it reads), of the kept values
     that a later stage reads again: the loop relays them (`run_in_chunks`) and
     the later stage reads what it relays, so that in reverse mode each kept
     value's cotangent accumulates in one buffer, in place, through the loops
     that read it (this folder's `README.md`)."""
-    if stage == FINAL:
-        return []
-    later = [*range(stage + 1, plan.num_passes + 1), FINAL]
-    again = {v for s in later for v in plan.reads[s]}
-    return [num_batch + j for j, v in enumerate(plan.reads[stage]) if v in again]
+    again = _read_from(plan, level + 1)
+    return [num_batch + j for j, v in enumerate(plan.reads[level]) if v in again]
 
 
 def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list[Array]:
@@ -123,8 +126,7 @@ def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list
     `run_in_chunks`), taken out of `free`, once the buffers that no stage from
     `level` on reads have joined it: the memory of the kept values is then that
     of those alive at once, not of them all."""
-    later = [*range(level, plan.num_passes + 1), FINAL]
-    read = {v for stage in later for v in plan.reads[stage]}
+    read = _read_from(plan, level)
     free += [buffers.pop(v) for v in list(buffers) if v not in read]
     spares = []
     for v in plan.writes[level]:
@@ -384,10 +386,7 @@ def _final(
         kinds = (None,) * len(out) + ("sum",) * len(summed)
         return ChunkOutput(leaves, (0,) * len(leaves), unbatched, None, kinds)
 
-    relay = _relay(plan, FINAL, len(batch[0]) - len(plan.reads[FINAL]))
-    out, _ = _loop(
-        plan, _chunk_fn, batch, options, shard, plan.num_passes + 1, relay=relay
-    )
+    out, _ = _loop(plan, _chunk_fn, batch, options, shard, plan.num_passes + 1)
     out_mapped, summed = out.batched[:num_mapped], out.batched[num_mapped:]
     if shard is not None:
         summed = [across("sum", x, shard.axis_names) for x in summed]
