@@ -19,9 +19,10 @@ from ._staged import (
     run_staged_vmap,
     schedule_collectives,
     STAGED,
+    StagedVmap,
     WHOLE,
 )
-from ._wrapper import ChunkOptions
+from ._wrapper import ChunkOptions, kept_every
 
 
 class Batch(NamedTuple):
@@ -44,6 +45,39 @@ class Batch(NamedTuple):
     sum_match: bool = False
 
 
+def _schedule(
+    batch: Batch,
+    chunk_size: int | None,
+    options: ChunkOptions,
+    sharding: BatchSharding | None,
+) -> str:
+    """What collectives over `axis_name` make of the batch (`_staged/_analysis.py`)."""
+    if batch.element is None:
+        return NONE
+    return schedule_collectives(
+        ft.partial(batch.element, batch.closed),
+        batch.mapped,
+        batch.in_axes,
+        options.axis_name,
+        batch_size=batch.size,
+        chunk_size=chunk_size,
+        sharding=sharding,
+    )
+
+
+def count_passes(
+    batch: Batch,
+    chunk_size: int,
+    options: ChunkOptions,
+    sharding: BatchSharding | None = None,
+) -> int:
+    """The passes over the batch that staged collectives take before the final
+    loop at `chunk_size`; 0 if the batch is not staged."""
+    if _schedule(batch, chunk_size, options, sharding) != STAGED:
+        return 0
+    return _plan(batch, options).plan.num_passes
+
+
 def run_batch(
     batch: Batch,
     chunk_size: int | None,
@@ -53,17 +87,7 @@ def run_batch(
     """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
     `chunk_size`, or the staged loops for collectives over `axis_name`; on each
     device's shard if `sharding` splits it."""
-    schedule = NONE
-    if batch.element is not None:  # what collectives over `axis_name` make of it
-        schedule = schedule_collectives(
-            ft.partial(batch.element, batch.closed),
-            batch.mapped,
-            batch.in_axes,
-            options.axis_name,
-            batch_size=batch.size,
-            chunk_size=chunk_size,
-            sharding=sharding,
-        )
+    schedule = _schedule(batch, chunk_size, options, sharding)
     if schedule == WHOLE:
         # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
         # collective across the devices.
@@ -139,17 +163,7 @@ def _staged(
 
     The call is planned once, for the whole batch and outside any `shard_map`.
     """
-    assert batch.element is not None
-    staged = plan_staged_vmap(
-        ft.partial(batch.element, batch.closed),
-        batch.mapped,
-        batch.in_axes,
-        batch_size=batch.size,
-        axis_name=options.axis_name,
-        api=options.api,
-        sum_match=batch.sum_match,
-        keep=bool(options.keep_boundaries),
-    )
+    staged = _plan(batch, options)
     loop = _loop_options(chunk_size, options)
 
     def _local(consts: list[Any], mapped: PyTree[InputArray], _: int) -> ChunkOutput:
@@ -157,3 +171,19 @@ def _staged(
 
     shapes = lambda _, size: output_shapes(staged, size)  # noqa: E731
     return _local, staged.plan.program.consts, shapes
+
+
+def _plan(batch: Batch, options: ChunkOptions) -> StagedVmap:
+    """The staged plan of the batch, planned once for the whole batch and outside
+    any `shard_map`."""
+    assert batch.element is not None
+    return plan_staged_vmap(
+        ft.partial(batch.element, batch.closed),
+        batch.mapped,
+        batch.in_axes,
+        batch_size=batch.size,
+        axis_name=options.axis_name,
+        api=options.api,
+        sum_match=batch.sum_match,
+        keep=kept_every(options.keep_boundaries),
+    )

@@ -23,7 +23,7 @@ from ._axes import (
     run_tagged,
     varying_unmapped,
 )
-from ._batch import Batch, run_batch
+from ._batch import Batch, count_passes, run_batch
 from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
@@ -94,22 +94,42 @@ class _VmapPlan(AbstractMappedPlan):
     def evaluate(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
     ) -> Any:
-        is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
-        static, mapped = eqx.partition(bound.tree, is_unmapped)
-        closed, size, sum_match = (fun, static), bound.batch_size, self.sum_match
-        if size is None:
-            out = _evaluate(self.out_axes, closed, mapped, batch_known=False)
+        if bound.batch_size is None:
+            is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
+            static, mapped = eqx.partition(bound.tree, is_unmapped)
+            out = _evaluate(self.out_axes, (fun, static), mapped, batch_known=False)
             return eqx.combine(*out[:2], out[2].value[0])
-        out_axes, in_axes = self.out_axes, bound.in_axes
-        chunk = ft.partial(_chunk_fn, out_axes, in_axes, options.axis_name, sum_match)
-        element = ft.partial(_evaluate, out_axes)
-        batch = Batch(
-            chunk, closed, mapped, in_axes, size, element=element, sum_match=sum_match
+        out = run_batch(
+            self._batch(fun, options, bound), chunk_size, options, bound.sharding
         )
-        out = run_batch(batch, chunk_size, options, bound.sharding)
-        if sum_match:
+        if self.sum_match:
             return with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
+
+    def passes(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int
+    ) -> int:
+        if bound.batch_size is None:
+            return 0
+        batch = self._batch(fun, options, bound)
+        return count_passes(batch, chunk_size, options, bound.sharding)
+
+    def _batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
+        assert bound.batch_size is not None
+        is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
+        static, mapped = eqx.partition(bound.tree, is_unmapped)
+        out_axes, in_axes, sum_match = self.out_axes, bound.in_axes, self.sum_match
+        chunk = ft.partial(_chunk_fn, out_axes, in_axes, options.axis_name, sum_match)
+        element = ft.partial(_evaluate, out_axes)
+        return Batch(
+            chunk,
+            (fun, static),
+            mapped,
+            in_axes,
+            bound.batch_size,
+            element=element,
+            sum_match=sum_match,
+        )
 
 
 def _chunk_fn(
@@ -176,7 +196,7 @@ class _VmapOptions(BuilderOptions, total=False):
     axis_size: int | None
     spmd_axis_name: SpmdAxisName
     sum_match: bool
-    keep_boundaries: bool | None
+    keep_boundaries: bool | int | None
 
 
 @overload
@@ -198,7 +218,7 @@ def filter_chunked_vmap(
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
     sum_match: bool = False,
-    keep_boundaries: bool | None = None,
+    keep_boundaries: bool | int | None = None,
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -260,10 +280,15 @@ def filter_chunked_vmap(
         `fun` about once, at the cost of the boundaries' buffers (the batch size
         times the values kept per element): evaluated, those of two or three
         passes at once (a pass writes into buffers no later pass reads); under
-        reverse mode, every pass's, as residuals. `None` (the default): `False` at
-        a fixed `chunk_size`; with a memory budget, `True` where the program with
-        the buffers fits the budget, at the size chosen without them or a smaller
-        one ([`filtered_chunk.suggest_chunk_size`][] says which). No effect without
+        reverse mode, every pass's, as residuals. An int `n` keeps those of every
+        `n`-th pass only (passes `n`, `2n`, ...; `1` is `True`, and an `n` beyond
+        the number of passes keeps none): the passes between recompute from the
+        latest kept values, with fewer buffers. `None` (the default): `False` at a
+        fixed `chunk_size`; with a memory budget, the most boundaries whose
+        program fits the budget (every pass's, else every `n`-th pass's, else the
+        middle pass's), at the size chosen without them or a smaller one
+        ([`filtered_chunk.suggest_chunk_size`][] says which), else `False`. No
+        effect without
         collectives across chunks. See
         [collectives across chunks][collectives-across-chunks].
     - `spmd_axis_name`: keyword-only. The mesh axis name (or tuple of names) that the

@@ -24,6 +24,7 @@ from ._budget import (
     ChunkSizeSpec as ChunkSizeSpec,
     keep_if_fits,
     measure_bytes,
+    measured_key,
     MemoryBudget,
     normalise_chunk_size,
 )
@@ -48,9 +49,15 @@ class ChunkOptions(eqx.Module):
     progress_meter: AbstractProgressMeter | None = None
     axis_name: Hashable | None = None
     spmd_axis_name: SpmdAxisName = None
-    # Whether staged collectives keep their stage boundaries (`None`: not at a
-    # fixed chunk size; a budget decides).
-    keep_boundaries: bool | None = None
+    # Whether staged collectives keep their stage boundaries, or every how many
+    # passes (`None`: not at a fixed chunk size; a budget decides).
+    keep_boundaries: bool | int | None = None
+
+
+def kept_every(keep: bool | int | None) -> int:
+    """`keep_boundaries` as the staged plan takes it: every how many passes keep
+    their boundaries (`0`: none)."""
+    return int(keep or 0)
 
 
 class Bound(NamedTuple):
@@ -90,6 +97,14 @@ class AbstractPlan(eqx.Module):
     ) -> Any:
         """The call's output at a fixed `chunk_size`, traced or not."""
 
+    def passes(
+        self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int
+    ) -> int:
+        """The passes over the batch that staged collectives take before the final
+        loop at `chunk_size`; 0 if the call is not staged."""
+        del fun, options, bound, chunk_size
+        return 0
+
 
 class Chunked(eqx.Module):
     """A chunked transform of `fun`, as every builder returns it."""
@@ -123,29 +138,25 @@ class Chunked(eqx.Module):
             chunked, _tree = closed
             return chunked._evaluate(bound._replace(tree=_tree), k)
 
-        def _search(keep: bool) -> ChunkSizeChoice:
-            o = self._options
+        o = self._options
+        # What else changes the chunked program but not the unchunked one.
+        options = (o.remainder, o.checkpoint, o.axis_name, type(self._plan))
+
+        def _search(keep: bool | int) -> ChunkSizeChoice:
             choice = choose_chunk_size(
                 _run,
                 (self._keeping(keep), bound.tree),
                 batch_size=size,
                 budget=budget,
                 remainder=o.remainder,
-                # What else changes the chunked program but not the unchunked one.
-                options=(
-                    o.remainder,
-                    o.checkpoint,
-                    o.axis_name,
-                    type(self._plan),
-                    keep,
-                ),
+                options=(*options, keep),
                 api=o.api,
             )
             return dataclasses.replace(choice, keep_boundaries=keep)
 
-        keep = self._options.keep_boundaries
-        choice = _search(bool(keep))
-        if self._options.axis_name is None:
+        keep = o.keep_boundaries
+        choice = _search(False if keep is None else keep)
+        if o.axis_name is None:
             return choice
         if choice.largest >= size:
             # The whole batch fits: one `vmap`. Split, collectives across chunks
@@ -155,13 +166,21 @@ class Chunked(eqx.Module):
             return dataclasses.replace(choice, chunk_size=size, bytes=whole)
         if keep is not None:
             return choice
+
         # Staged collectives keep their boundaries where that fits: no pass then
         # recomputes an earlier one's work.
-        kept = (self._keeping(True), bound.tree)
-        measure = lambda k: measure_bytes(_run, kept, k)  # noqa: E731
-        return keep_if_fits(choice, measure, size, self._options.remainder)
+        def _measure(k: int, every: int) -> int:
+            kept = (self._keeping(True if every == 1 else every), bound.tree)
+            return measure_bytes(_run, kept, k)
 
-    def _keeping(self, keep: bool) -> "Chunked":
+        def _passes() -> int:
+            return self._plan.passes(self._fun, o, bound, choice.chunk_size)
+
+        key = measured_key(_run, (self, bound.tree))
+        key = None if key is None else (key, size, options)
+        return keep_if_fits(choice, _measure, _passes, size, o.remainder, key)
+
+    def _keeping(self, keep: bool | int) -> "Chunked":
         """This transform, with staged collectives keeping their boundaries or not."""
         options = dataclasses.replace(self._options, keep_boundaries=keep)
         return dataclasses.replace(self, _options=options)
@@ -209,6 +228,12 @@ def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> Callable[..., A
     plan.check(options.api)
     check_spmd_axis_name(options.spmd_axis_name, options.api)
     check_meter(options.progress_meter, options.api)
+    keep = options.keep_boundaries
+    if not isinstance(keep, bool | None) and keep < 1:
+        raise ValueError(
+            f"`{options.api}(..., keep_boundaries=...)` must be a bool, or a positive "
+            f"int (keep the boundaries of every that many passes), got {keep!r}."
+        )
     options = dataclasses.replace(options, chunk_size=chunk_size)
     return eqx.module_update_wrapper(Chunked(fun, plan, options))
 

@@ -481,11 +481,12 @@ def test_collectives_staged_per_device(axis_type, mesh_of, chunk_size, remainder
 
 
 @pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
-@pytest.mark.parametrize("remainder", ("overlap", "separate"))
-def test_kept_boundaries_per_device(axis_type, remainder):
-    # With the stage boundaries kept, each device writes and reads its own
-    # shard's buffers: the same values and gradients.
-    _check_staged_per_device(axis_type, mesh_1d, 2, remainder, keep_boundaries=True)
+@pytest.mark.parametrize("remainder, keep", (("overlap", True), ("separate", 2)))
+def test_kept_boundaries_per_device(axis_type, remainder, keep):
+    # With the stage boundaries kept (every pass's, or every second pass's), each
+    # device writes and reads its own shard's buffers: the same values and
+    # gradients.
+    _check_staged_per_device(axis_type, mesh_1d, 2, remainder, keep_boundaries=keep)
 
 
 def _check_staged_per_device(axis_type, mesh_of, chunk_size, remainder, **kwargs):

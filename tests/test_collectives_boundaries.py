@@ -142,9 +142,43 @@ def test_types_through_buffers(getkey):
     assert tree_allclose(kept(x, n), expected)
 
 
-def test_keep_boundaries_must_be_a_bool():
+def test_keep_boundaries_must_be_a_bool_or_a_positive_int():
     with pytest.raises(TypeError, match="keep_boundaries"):
         fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries="yes")  # pyright: ignore[reportArgumentType]
+    for every in (0, -2):
+        with pytest.raises(ValueError, match="keep_boundaries.*positive int.*got"):
+            fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries=every)
+
+
+@pytest.mark.parametrize(
+    "batch_size, remainder, every",
+    [(1, "overlap", 2), (5, "overlap", 4), (9, "separate", 2), (9, "overlap", 3)],
+)
+def test_every_nth_pass_matches_filter_vmap(batch_size, remainder, every, getkey):
+    # Three BatchNorm blocks: six passes, of which every `n`-th keeps its
+    # boundaries and the others recompute from the latest kept; outputs, state and
+    # gradients as `eqx.filter_vmap`'s, at chunks of 4.
+    model, state = eqx.nn.make_with_state(_Net)(3, getkey())
+    x = jr.normal(getkey(), (batch_size, 3))
+    options = dict(chunk_size=4, remainder=remainder, keep_boundaries=every)
+    check_public_call(model, state, x, "i", batch_size != 1, **options)
+
+
+def test_every_nth_pass_runs_fewer_layers_than_recomputing(getkey):
+    # Four blocks (eight passes): the program holds fewer `dot_general`s the more
+    # passes keep their boundaries, from recomputing (`False`) to keeping them all.
+    model, state = eqx.nn.make_with_state(_Net)(4, getkey())
+    x = jr.normal(getkey(), (16, 3))
+
+    def dots(keep):
+        chunked = fc.filter_chunked_vmap(
+            model, chunk_size=4, keep_boundaries=keep, **_KWARGS
+        )
+        return _count(jax.make_jaxpr(chunked)(x, state).jaxpr, "dot_general")
+
+    found = [dots(keep) for keep in (False, 8, 4, 2, True)]
+    assert found == sorted(found, reverse=True) and len(set(found)) == 5
+    assert found[-1] == 5 and dots(1) == found[-1] and dots(64) == found[0]
 
 
 def _wide(x, weights):
@@ -201,6 +235,29 @@ def test_budget_too_small_for_the_boundaries_recomputes(getkey):
         jax.grad(loss(_budgeted(budget, keep_boundaries=True)))(weights)
     grad = jax.grad(loss(_budgeted(budget)))
     assert compiled_bytes(grad, weights) <= budget
+    oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
+    assert tree_allclose(grad(weights), jax.grad(loss(oracle))(weights))
+
+
+def test_budget_keeps_every_nth_pass_where_not_every_pass_fits(getkey):
+    # Four blocks under `jax.grad`: a budget below every pass's kept boundaries
+    # (their residuals) keeps every `n`-th pass's, and the call fits, runs fewer
+    # layers than recomputing and matches `eqx.filter_vmap`.
+    x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 4)
+    budget = 240_000  # float64: every pass's need 249,128 bytes at chunks of 16
+    loss = lambda run: lambda w: jnp.sum(jnp.sin(run(x, w)))
+
+    def dots(run):
+        return _count(jax.make_jaxpr(jax.grad(loss(run)))(weights).jaxpr, "dot_general")
+
+    def fixed(keep):
+        return fc.filter_chunked_vmap(
+            _wide, in_axes=(0, None), axis_name="i", chunk_size=16, keep_boundaries=keep
+        )
+
+    grad = jax.grad(loss(_budgeted(budget)))
+    assert compiled_bytes(grad, weights) <= budget
+    assert dots(fixed(True)) < dots(_budgeted(budget)) < dots(fixed(False))
     oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
     assert tree_allclose(grad(weights), jax.grad(loss(oracle))(weights))
 

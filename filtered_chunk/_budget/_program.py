@@ -178,10 +178,13 @@ class ChunkedProgram:
 
         return jax.make_jaxpr(_fn)(self.structs)
 
-    def key(self) -> tuple[tuple[Hashable, ...] | None, tuple[Layer, ...]]:
-        """What measurements depend on (the unchunked program and its callables'
-        identities, the inputs' types, the transformations), and the transformations."""
-        closed = self.trace(None)
+    def key(
+        self, k: int | None = None
+    ) -> tuple[tuple[Hashable, ...] | None, tuple[Layer, ...]]:
+        """What measurements depend on (the program at `k`, by default the unchunked
+        one, and its callables' identities, the inputs' types, the
+        transformations), and the transformations."""
+        closed = self.trace(k)
         layers = layers_of([*closed.consts, *self.leaves])
         structs = [*map(_struct, closed.consts), *self.structs]
         try:

@@ -13,6 +13,7 @@ timed choices (`_timing.py`) are also stored on disk (`_store.py`).
 """
 
 import dataclasses
+import functools as ft
 import math
 import time
 from collections.abc import Callable, Hashable
@@ -244,15 +245,23 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
     return sizes.at_most(min(cap, _segments(sizes)[-1][1]))
 
 
+def measured_key(
+    run: Callable[[int | None, Any], Any], tree: PyTree[Any]
+) -> Hashable | None:
+    """What the measurements of `run(k, tree)` depend on (`None`: unhashable), as
+    `ChunkedProgram.key` gives it for the unchunked program."""
+    return ChunkedProgram(run, tree).key()[0]
+
+
 def measure_bytes(
     run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int
 ) -> int:
     """The bytes a search measures for `run(k, tree)` at one size: under reverse
-    mode the larger of the call's pullback and its linearisation. Cached as the
-    search's measurements are."""
+    mode the larger of the call's pullback and its linearisation. Cached on the
+    program traced at `k`: programs that trace alike compile once."""
     program = ChunkedProgram(run, tree)
-    base, layers = program.key()
-    key = None if base is None else (base, k, "bytes")
+    base, layers = program.key(k)
+    key = None if base is None else (base, "bytes")
     if key not in _measured:
         found, _ = program.compile(k)
         if any(layer.kind == "reverse" for layer in layers):
@@ -269,26 +278,83 @@ def measure_bytes(
 
 def keep_if_fits(
     choice: ChunkSizeChoice,
-    measure: Callable[[int], int],
+    measure: Callable[[int, int], int],
+    passes: Callable[[], int],
+    batch_size: int,
+    remainder: str,
+    key: Hashable | None,
+) -> ChunkSizeChoice:
+    """[`_keep_if_fits`][] of `passes()`, cached on `key` (the unchunked program,
+    as `ChunkedProgram.key` gives it) and `choice`."""
+    cache_key = None if key is None else (key, choice, "keep")
+    if cache_key not in _chosen:
+        kept = _keep_if_fits(choice, measure, passes(), batch_size, remainder)
+        if cache_key is None:
+            return kept
+        _remember(_chosen, cache_key, kept)
+    return _chosen[cache_key]
+
+
+def _keep_if_fits(
+    choice: ChunkSizeChoice,
+    measure: Callable[[int, int], int],
+    passes: int,
     batch_size: int,
     remainder: str,
 ) -> ChunkSizeChoice:
-    """`choice` with the staged collectives' boundaries kept (`measure(k)`: the
-    bytes of that program at `k`), if it fits the budget at the chosen size, or
-    else at the size where the buffers' bytes fit beside the measured bytes
+    """`choice` with the staged collectives (`passes` passes before the final
+    loop) keeping the most boundaries that fit the budget (`measure(k, n)`: the
+    bytes of the program at `k` keeping those of every `n`-th pass).
+
+    Every pass's; else every `n`-th pass's, for `n` the estimate of where the
+    buffers' bytes fit beside the part of `choice`'s bytes that is not per element
+    (were they to fall as `1 / n`) and for `2n`; else only the middle pass's
+    (`n = passes // 2 + 1`, which halves the work of recomputing). Each at the
+    chosen size, or else at the size where the buffers' bytes fit beside the rest
     (near-affine in the size: `choice.element_bytes` an element), at least
-    `MIN_CHUNK`; else `choice` as it is. One or two compilations."""
-    k, found = choice.chunk_size, measure(choice.chunk_size)
-    if found > choice.budget:
-        slope = max(choice.element_bytes, 1)
-        room = choice.budget - (found - choice.bytes) - (choice.bytes - slope * k)
-        smaller = _Sizes(batch_size, remainder).at_most(max(min(room // slope, k), 1))
-        if smaller >= k or smaller < _model.MIN_CHUNK:
-            return choice
-        k, found = smaller, measure(smaller)
-        if found > choice.budget:
-            return choice
-    return dataclasses.replace(choice, chunk_size=k, bytes=found, keep_boundaries=True)
+    `MIN_CHUNK`; else `choice` as it is. At most eight compilations."""
+    if passes == 0:
+        return choice
+    k = choice.chunk_size
+    kept = measure(k, 1)
+    fixed = max(choice.bytes - max(choice.element_bytes, 1) * k, 0)
+    extra, room = kept - choice.bytes, max(choice.budget - fixed, 1)
+    first, middle = max(2, math.ceil(extra / room)), passes // 2 + 1
+    tries = [1] + [n for n in (first, 2 * first) if n < middle] + [middle]
+    for every in sorted(set(tries)):
+        found = kept if every == 1 else measure(k, every)
+        at = ft.partial(lambda n, size: measure(size, n), every)
+        fit = _fit_beside(choice, found, at, batch_size, remainder)
+        if fit is not None:
+            size, found = fit
+            keep = True if every == 1 else every
+            return dataclasses.replace(
+                choice, chunk_size=size, bytes=found, keep_boundaries=keep
+            )
+    return choice
+
+
+def _fit_beside(
+    choice: ChunkSizeChoice,
+    found: int,
+    measure: Callable[[int], int],
+    batch_size: int,
+    remainder: str,
+) -> tuple[int, int] | None:
+    """`(size, bytes)` of a program that needs `found` bytes at the chosen size
+    where it fits the budget: at that size, or at the size where its bytes beyond
+    `choice`'s fit beside the rest (one compilation more); `None` where it does
+    not."""
+    k = choice.chunk_size
+    if found <= choice.budget:
+        return k, found
+    slope = max(choice.element_bytes, 1)
+    room = choice.budget - (found - choice.bytes) - (choice.bytes - slope * k)
+    smaller = _Sizes(batch_size, remainder).at_most(max(min(room // slope, k), 1))
+    if smaller >= k or smaller < _model.MIN_CHUNK:
+        return None
+    found = measure(smaller)
+    return (smaller, found) if found <= choice.budget else None
 
 
 def _fits(

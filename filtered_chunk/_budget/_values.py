@@ -269,13 +269,16 @@ class ChunkSizeChoice(eqx.Module):
     - `stored`: whether the size (and `times`) were read from disk, chosen by an
         earlier search for the same program, budget and machine (see
         `MemoryBudget`'s `tune`), rather than in this one.
-    - `keep_boundaries`: whether the call runs with `keep_boundaries=True`: with
-        collectives across chunks, each pass over the batch then keeps the
-        per-element values the next resumes from, in buffers that `bytes`
-        counts. Unless `filter_chunked_vmap(..., keep_boundaries=...)` says, they
-        are kept where the program with them fits the budget: at the size chosen
-        without them, or at the smaller size (at least 8) where their bytes fit
-        beside the rest (one or two compilations more).
+    - `keep_boundaries`: what the call runs with as `keep_boundaries`: with
+        collectives across chunks, `True` where every pass over the batch keeps
+        the per-element values the next resumes from, in buffers that `bytes`
+        counts, an int `n` where every `n`-th pass does, `False` where none
+        does. Unless `filter_chunked_vmap(..., keep_boundaries=...)` says, the
+        most that fit the budget are kept: every pass's, else every `n`-th
+        pass's for an `n` estimated from their bytes, else only the middle
+        pass's, at the size chosen without them or at the smaller size (at least
+        8) where their bytes fit beside the rest (at most eight compilations
+        more).
 
     !!! example
 
@@ -306,4 +309,4 @@ class ChunkSizeChoice(eqx.Module):
     working_set: tuple[tuple[int, int], ...]
     times: tuple[tuple[int, float], ...] = ()
     stored: bool = False
-    keep_boundaries: bool = False
+    keep_boundaries: bool | int = False

@@ -17,4 +17,5 @@ from ._vmap import (
     output_shapes as output_shapes,
     plan_staged_vmap as plan_staged_vmap,
     run_staged_vmap as run_staged_vmap,
+    StagedVmap as StagedVmap,
 )

@@ -6,10 +6,13 @@ must evaluate: stage `s <= num_passes` computes the operands of the level-`s`
 collectives, reading the results of lower levels; the final stage computes every
 output, mapped or not (`out_axes=None`).
 
-With `keep=True`, the stage boundaries are kept: a stage reads, from batch-sized
+With `keep=1`, the stage boundaries are kept: a stage reads, from batch-sized
 buffers that earlier passes wrote, every per-element value they computed that it
 needs, instead of recomputing it, so that no equation of the program runs twice
 for an element. Each pass then writes the values that later stages read of it.
+With `keep=n`, only every `n`-th pass keeps what it computed (passes `n`, `2n`,
+...; none if `n` is beyond the number of passes): the passes between recompute
+from the latest kept values, with fewer buffers.
 """
 
 import dataclasses
@@ -58,7 +61,7 @@ def _is_var(v: Any) -> bool:
     return not isinstance(v, jex.Literal)
 
 
-def make_plan(program: Program, keep: bool = False) -> Plan:
+def make_plan(program: Program, keep: int = 0) -> Plan:
     jaxpr, axis_name = program.jaxpr, program.axis_name
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
     first = len(program.consts)
@@ -97,7 +100,7 @@ def make_plan(program: Program, keep: bool = False) -> Plan:
         for v in read:
             if v not in writes[kept[v]]:
                 writes[kept[v]].append(v)
-        if keep and stage != FINAL:
+        if keep and stage != FINAL and stage % keep == 0:
             for i in order:
                 eqn = jaxpr.eqns[i]
                 # A collective's result is given, or cheap: never buffered.

@@ -293,7 +293,7 @@ def plan_staged(
     batch_size: int,
     axis_name: Hashable,
     api: str,
-    keep: bool = False,
+    keep: int = 0,
 ) -> Plan:
     """The plan of `fun` (see `run_staged`) for one element like `mapped`, traced
     outside any `shard_map`, keeping its stage boundaries if `keep`; raises what

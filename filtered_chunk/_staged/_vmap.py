@@ -36,7 +36,7 @@ def plan_staged_vmap(
     axis_name: Hashable,
     api: str,
     sum_match: bool = False,
-    keep: bool = False,
+    keep: int = 0,
 ) -> StagedVmap:
     """The plan of `filter_chunked_vmap`'s call, with the collectives over
     `axis_name` staged; raises, before anything runs, what cannot be.
