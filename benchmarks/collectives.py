@@ -30,8 +30,8 @@ N = 8,192, chunks of 512) at L = 2 and 8, and a small convolutional network (two
 blocks of a 3x3 `Conv2d`, `BatchNorm` and ReLU over 16x16 images, N = 2,048, chunks
 of 256). Each runs evaluated and under `jax.grad` of a loss of its outputs, at the
 fixed chunk size recomputing (`False`) and keeping (`True`) the boundaries, and
-with a memory budget (`jax.vmap`'s own memory; under `jax.grad` also a quarter
-of it), which chooses both. Time ratios are against `jax.vmap` in the same
+with a memory budget (`jax.vmap`'s own memory; under `jax.grad` also a half and a
+quarter of it), which chooses both. Time ratios are against `jax.vmap` in the same
 run. `--quick` runs smaller sizes (and L = 4 for 8) and checks that keeping the
 boundaries gives the same values, needs no more memory evaluated than three
 boundaries beside the recomputing program, and that every budgeted program fits.
@@ -45,6 +45,7 @@ their working sets.
 import argparse
 import functools as ft
 import os
+import statistics
 import time
 
 
@@ -135,13 +136,14 @@ def _staged(fun, chunk_size, x, params):
     return chunked(x, params)
 
 
-def _loops(fn, *args):
-    """The `lax.scan`s of `fn`'s program: one per loop over the batch."""
+def _loops(fn, *args, names=("scan",)):
+    """The `lax.scan`s of `fn`'s program (one per loop over the batch), or its
+    equations of other primitives."""
 
     def count(jaxpr):
         found = 0
         for eqn in jaxpr.eqns:
-            found += eqn.primitive.name == "scan"
+            found += eqn.primitive.name in names
             for value in eqn.params.values():
                 for sub in value if isinstance(value, tuple | list) else (value,):
                     sub = getattr(sub, "jaxpr", sub)
@@ -276,19 +278,18 @@ def _networks(name, depth, mode, quick):
         return jax.grad(lambda _p, _x: jnp.sum(_fn(_p, _x)[0] ** 2))
 
     vmap = compile_fn(run(None, None), params, x)
-    vmap_seconds = median_seconds(vmap.executable, params, x, repeats=5)
     budgets = [vmap.temp_plus_output]
     if mode == "grad":
-        budgets.append(vmap.temp_plus_output // 4)
+        # Half: every pass's boundaries do not fit, every few passes' may.
+        budgets += [vmap.temp_plus_output // 2, vmap.temp_plus_output // 4]
     settings = [(k, False, None), (k, True, None)]
     settings += [(fc.MemoryBudget(b), None, b) for b in budgets]
-    outputs, used = [], []
+    outputs, used, rows = [], [], []
     for chunk_size, keep, budget in settings:
         fn = run(chunk_size, keep)
         start = time.perf_counter()
         compiled = compile_fn(fn, params, x)
         first = time.perf_counter() - start
-        seconds = median_seconds(compiled.executable, params, x, repeats=5)
         outputs.append(compiled.executable(params, x))
         used.append(compiled.temp_plus_output)
         size, kept = chunk_size, keep
@@ -299,16 +300,42 @@ def _networks(name, depth, mode, quick):
                 choice = fc.suggest_chunk_size(chunked, x, state)
                 size, kept = choice.chunk_size, choice.keep_boundaries
             else:
-                size, kept = f"budget of {budget / MIB:.1f} MiB", "chosen"
+                # What the budget kept, told by the layers its program runs:
+                # as many as keeping every pass's boundaries, as recomputing, or
+                # between (every few passes' boundaries kept).
+                size = f"budget of {budget / MIB:.1f} MiB"
+                layers = ("dot_general", "conv_general_dilated")
+                dots = [
+                    _loops(f, params, x, names=layers)
+                    for f in (fn, run(k, True), run(k, False))
+                ]
+                kept = (
+                    "kept (chosen)"
+                    if dots[0] == dots[1]
+                    else "recomputed (chosen)"
+                    if dots[0] == dots[2]
+                    else "some kept (chosen)"
+                )
             if compiled.temp_plus_output > budget:
                 raise SystemExit(f"{name} L={depth} {mode}: over its budget")
         loops = _loops(run(chunk_size, keep), params, x)
+        rows.append((compiled, size, kept, loops, first))
+    # Time against `jax.vmap` in interleaved rounds (each program's median of
+    # three runs, `jax.vmap`'s in the same round), so that the machine's drift
+    # falls on both sides of each ratio; the median of the rounds' ratios.
+    executables = [vmap.executable] + [row[0].executable for row in rows]
+    ratios = [[] for _ in rows]
+    for _ in range(3):
+        seconds = [median_seconds(e, params, x, repeats=3) for e in executables]
+        for i in range(len(rows)):
+            ratios[i].append(seconds[i + 1] / seconds[0])
+    for (compiled, size, kept, loops, first), ratio in zip(rows, ratios, strict=True):
         print(
             f"| {name} L={depth} | {mode} | {x.shape[0]:,} | {size} | "
             f"{_boundaries(kept, size, x.shape[0])} | "
             f"{loops} | {compiled.temp_plus_output / MIB:,.1f} | "
-            f"{vmap.temp_plus_output / MIB:,.1f} | {seconds / vmap_seconds:.2f}x | "
-            f"{first:.1f} |"
+            f"{vmap.temp_plus_output / MIB:,.1f} | "
+            f"{statistics.median(ratio):.2f}x | {first:.1f} |"
         )
     # The same up to the order of float32 sums, relative to the largest value.
     leaves = list(zip(jax.tree.leaves(outputs[0]), jax.tree.leaves(outputs[1])))
