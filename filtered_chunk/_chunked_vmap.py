@@ -95,8 +95,7 @@ class _VmapPlan(AbstractMappedPlan):
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int | None
     ) -> Any:
         if bound.batch_size is None:
-            is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
-            static, mapped = eqx.partition(bound.tree, is_unmapped)
+            static, mapped = _unmapped_and_mapped(bound)
             out = _evaluate(self.out_axes, (fun, static), mapped, batch_known=False)
             return eqx.combine(*out[:2], out[2].value[0])
         out = run_batch(
@@ -116,8 +115,7 @@ class _VmapPlan(AbstractMappedPlan):
 
     def _batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
         assert bound.batch_size is not None
-        is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
-        static, mapped = eqx.partition(bound.tree, is_unmapped)
+        static, mapped = _unmapped_and_mapped(bound)
         out_axes, in_axes, sum_match = self.out_axes, bound.in_axes, self.sum_match
         chunk = ft.partial(_chunk_fn, out_axes, in_axes, options.axis_name, sum_match)
         element = ft.partial(_evaluate, out_axes)
@@ -130,6 +128,12 @@ class _VmapPlan(AbstractMappedPlan):
             element=element,
             sum_match=sum_match,
         )
+
+
+def _unmapped_and_mapped(bound: Bound) -> tuple[Any, Any]:
+    """The call's tree split into its unmapped leaves and its mapped ones."""
+    is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
+    return eqx.partition(bound.tree, is_unmapped)
 
 
 def _chunk_fn(

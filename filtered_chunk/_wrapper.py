@@ -24,7 +24,6 @@ from ._budget import (
     ChunkSizeSpec as ChunkSizeSpec,
     keep_if_fits,
     measure_bytes,
-    measured_key,
     MemoryBudget,
     normalise_chunk_size,
 )
@@ -139,46 +138,44 @@ class Chunked(eqx.Module):
             return chunked._evaluate(bound._replace(tree=_tree), k)
 
         o = self._options
-        # What else changes the chunked program but not the unchunked one.
-        options = (o.remainder, o.checkpoint, o.axis_name, type(self._plan))
-
-        def _search(keep: bool | int) -> ChunkSizeChoice:
-            choice = choose_chunk_size(
-                _run,
-                (self._keeping(keep), bound.tree),
-                batch_size=size,
-                budget=budget,
-                remainder=o.remainder,
-                options=(*options, keep),
-                api=o.api,
-            )
-            return dataclasses.replace(choice, keep_boundaries=keep)
-
         keep = o.keep_boundaries
-        choice = _search(False if keep is None else keep)
-        if o.axis_name is None:
-            return choice
-        if choice.largest >= size:
-            # The whole batch fits: one `vmap`. Split, collectives across chunks
-            # would cost passes over the batch, which the speed model (a chunk's
-            # working set in cache) does not see.
-            whole = dict(choice.tried)[size]
-            return dataclasses.replace(choice, chunk_size=size, bytes=whole)
-        if keep is not None:
-            return choice
+        # What else changes the chunked program but not the unchunked one, or
+        # the refinement (`None`: the budget decides what to keep).
+        options = (o.remainder, o.checkpoint, o.axis_name, type(self._plan), keep)
 
-        # Staged collectives keep their boundaries where that fits: no pass then
-        # recomputes an earlier one's work.
         def _measure(k: int, every: int) -> int:
             kept = (self._keeping(True if every == 1 else every), bound.tree)
             return measure_bytes(_run, kept, k)
 
-        def _passes() -> int:
-            return self._plan.passes(self._fun, o, bound, choice.chunk_size)
+        def _refine(choice: ChunkSizeChoice) -> ChunkSizeChoice:
+            choice = dataclasses.replace(
+                choice, keep_boundaries=False if keep is None else keep
+            )
+            if o.axis_name is None:
+                return choice
+            if choice.largest >= size:
+                # The whole batch fits: one `vmap`. Split, collectives across
+                # chunks would cost passes over the batch, which the speed model
+                # (a chunk's working set in cache) does not see.
+                whole = dict(choice.tried)[size]
+                return dataclasses.replace(choice, chunk_size=size, bytes=whole)
+            if keep is not None:
+                return choice
+            # Staged collectives keep their boundaries where that fits: no pass
+            # then recomputes an earlier one's work.
+            passes = self._plan.passes(self._fun, o, bound, choice.chunk_size)
+            return keep_if_fits(choice, _measure, passes, size, o.remainder)
 
-        key = measured_key(_run, (self, bound.tree))
-        key = None if key is None else (key, size, options)
-        return keep_if_fits(choice, _measure, _passes, size, o.remainder, key)
+        return choose_chunk_size(
+            _run,
+            (self._keeping(False if keep is None else keep), bound.tree),
+            batch_size=size,
+            budget=budget,
+            remainder=o.remainder,
+            options=options,
+            api=o.api,
+            refine=_refine,
+        )
 
     def _keeping(self, keep: bool | int) -> "Chunked":
         """This transform, with staged collectives keeping their boundaries or not."""

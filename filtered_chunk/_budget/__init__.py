@@ -8,7 +8,6 @@ from ._search import (
     choose_chunk_size as choose_chunk_size,
     keep_if_fits as keep_if_fits,
     measure_bytes as measure_bytes,
-    measured_key as measured_key,
 )
 from ._values import (
     ChunkSizeChoice as ChunkSizeChoice,

@@ -245,14 +245,6 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
     return sizes.at_most(min(cap, _segments(sizes)[-1][1]))
 
 
-def measured_key(
-    run: Callable[[int | None, Any], Any], tree: PyTree[Any]
-) -> Hashable | None:
-    """What the measurements of `run(k, tree)` depend on (`None`: unhashable), as
-    `ChunkedProgram.key` gives it for the unchunked program."""
-    return ChunkedProgram(run, tree).key()[0]
-
-
 def measure_bytes(
     run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int
 ) -> int:
@@ -277,25 +269,6 @@ def measure_bytes(
 
 
 def keep_if_fits(
-    choice: ChunkSizeChoice,
-    measure: Callable[[int, int], int],
-    passes: Callable[[], int],
-    batch_size: int,
-    remainder: str,
-    key: Hashable | None,
-) -> ChunkSizeChoice:
-    """[`_keep_if_fits`][] of `passes()`, cached on `key` (the unchunked program,
-    as `ChunkedProgram.key` gives it) and `choice`."""
-    cache_key = None if key is None else (key, choice, "keep")
-    if cache_key not in _chosen:
-        kept = _keep_if_fits(choice, measure, passes(), batch_size, remainder)
-        if cache_key is None:
-            return kept
-        _remember(_chosen, cache_key, kept)
-    return _chosen[cache_key]
-
-
-def _keep_if_fits(
     choice: ChunkSizeChoice,
     measure: Callable[[int, int], int],
     passes: int,
@@ -452,10 +425,13 @@ def choose_chunk_size(
     remainder: str,
     options: Hashable,
     api: str,
+    refine: Callable[[ChunkSizeChoice], ChunkSizeChoice] | None = None,
 ) -> ChunkSizeChoice:
     """The chunk size for `run(chunk_size, tree)` (`None`: the whole batch): the
     largest measured to fit `budget`, or the speed model's if smaller and fitting,
-    or (`_timing.mode`) the fastest of a few that fit, timed or stored."""
+    or (`_timing.mode`) the fastest of a few that fit, timed or stored; then
+    `refine`d (staged collectives keeping boundaries: `keep_if_fits`), which
+    `options` must tell apart. Cached on the unchunked program, traced once."""
     start = time.perf_counter()
     program = ChunkedProgram(run, tree)
     limit = budget.resolve()
@@ -578,5 +554,7 @@ def choose_chunk_size(
         working_set=tuple((s, s * element) for s in sorted(tried)),
         times=tuple(sorted(times.items())),
     )
+    if refine is not None:
+        chosen = refine(chosen)
     _remember(_chosen, choice_key, chosen)
     return chosen
