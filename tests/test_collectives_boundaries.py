@@ -164,6 +164,43 @@ def test_every_nth_pass_matches_filter_vmap(batch_size, remainder, every, getkey
     check_public_call(model, state, x, "i", batch_size != 1, **options)
 
 
+def test_every_nth_pass_inside_cond_and_scan(getkey):
+    # A call keeping every 2nd pass's boundaries inside `lax.cond` (both branches)
+    # and a `lax.scan` that feeds each step's output to the next's parameters:
+    # values, an int8 and a bool output, and gradients through both, under `jit`.
+    def f(x, w):
+        h = jnp.tanh(x * w)
+        mean = lax.pmean(h, "i")
+        d = jnp.sin(h - mean)
+        var = lax.pmean(d**2, "i")
+        g = jnp.exp(d * lax.rsqrt(var + 1.0))
+        return g / lax.psum(g, "i"), (mean * 4).astype(jnp.int8), var > 0.5
+
+    axes: dict = dict(in_axes=(0, None), out_axes=(0, None, None), axis_name="i")
+    chunked = fc.filter_chunked_vmap(
+        f, chunk_size=3, remainder="separate", keep_boundaries=2, **axes
+    )
+    vmapped = eqx.filter_vmap(f, **axes)
+    x, w = jr.normal(getkey(), (7, 3)), jr.normal(getkey(), (3,))
+
+    def program(fn):
+        def _loss(_w):
+            out = lax.cond(_w[0] > 0, lambda: fn(x, _w), lambda: fn(2 * x, _w))
+
+            def _step(carry, scale):
+                y, _, _ = fn(x * scale, _w * carry)
+                return carry + y.mean(), y
+
+            _, ys = lax.scan(_step, 1.0, jnp.array([1.0, 0.5]))
+            return jnp.sum(out[0] ** 2) + jnp.sum(jnp.sin(ys)), (out, ys)
+
+        return jax.jit(jax.value_and_grad(_loss, has_aux=True))
+
+    for sign in (1, -1):
+        w = w.at[0].set(sign * abs(w[0]))
+        assert tree_allclose(program(chunked)(w), program(vmapped)(w))
+
+
 def test_every_nth_pass_runs_fewer_layers_than_recomputing(getkey):
     # Four blocks (eight passes): the program holds fewer `dot_general`s the more
     # passes keep their boundaries, from recomputing (`False`) to keeping them all.
