@@ -143,10 +143,6 @@ class Chunked(eqx.Module):
         # the refinement (`None`: the budget decides what to keep).
         options = (o.remainder, o.checkpoint, o.axis_name, type(self._plan), keep)
 
-        def _measure(k: int, every: int) -> int:
-            kept = (self._keeping(True if every == 1 else every), bound.tree)
-            return measure_bytes(_run, kept, k)
-
         def _refine(choice: ChunkSizeChoice) -> ChunkSizeChoice:
             choice = dataclasses.replace(
                 choice, keep_boundaries=False if keep is None else keep
@@ -161,8 +157,13 @@ class Chunked(eqx.Module):
                 return dataclasses.replace(choice, chunk_size=size, bytes=whole)
             if keep is not None:
                 return choice
+
             # Staged collectives keep their boundaries where that fits: no pass
             # then recomputes an earlier one's work.
+            def _measure(k: int, every: int) -> int:
+                kept = (self._keeping(True if every == 1 else every), bound.tree)
+                return measure_bytes(_run, kept, k, choice.budget)
+
             passes = self._plan.passes(self._fun, o, bound, choice.chunk_size)
             return keep_if_fits(choice, _measure, passes, size, o.remainder)
 

@@ -246,25 +246,31 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
 
 
 def measure_bytes(
-    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int
+    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int, limit: int
 ) -> int:
-    """The bytes a search measures for `run(k, tree)` at one size: under reverse
-    mode the larger of the call's pullback and its linearisation. Cached on the
-    program traced at `k`: programs that trace alike compile once."""
+    """The bytes a search measures for `run(k, tree)` at one size, to compare with
+    `limit`: under reverse mode the larger of the call's pullback and its
+    linearisation, the second compiled only if the first is within `limit` (as
+    `choose_chunk_size` does: over it, the pullback's bytes alone say it does not
+    fit). Cached on the program traced at `k`: programs that trace alike compile
+    once."""
     program = ChunkedProgram(run, tree)
     base, layers = program.key(k)
-    key = None if base is None else (base, "bytes")
-    if key not in _measured:
-        found, _ = program.compile(k)
-        if any(layer.kind == "reverse" for layer in layers):
-            linear = linearisation(program, k)
-            if linear is not None:
-                found = max(found, linear, key=lambda m: m.total)
+
+    def _once(what: str, measure: Callable[[], Measured | None]) -> Measured | None:
+        key = None if base is None else (base, what)
+        if key in _measured:
+            return _measured[key]
+        found = measure()
         _remember(_measured, key, found)
-        if key is None:
-            return found.total
-    found = _measured[key]
+        return found
+
+    found = _once("pullback", lambda: program.compile(k)[0])
     assert found is not None
+    if found.total <= limit and any(layer.kind == "reverse" for layer in layers):
+        linear = _once("linearisation", lambda: linearisation(program, k))
+        if linear is not None:
+            found = max(found, linear, key=lambda m: m.total)
     return found.total
 
 
