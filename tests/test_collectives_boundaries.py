@@ -169,12 +169,8 @@ def test_every_nth_pass_inside_cond_and_scan(getkey):
     # and a `lax.scan` that feeds each step's output to the next's parameters:
     # values, an int8 and a bool output, and gradients through both, under `jit`.
     def f(x, w):
-        h = jnp.tanh(x * w)
-        mean = lax.pmean(h, "i")
-        d = jnp.sin(h - mean)
-        var = lax.pmean(d**2, "i")
-        g = jnp.exp(d * lax.rsqrt(var + 1.0))
-        return g / lax.psum(g, "i"), (mean * 4).astype(jnp.int8), var > 0.5
+        y, mean = _dependent(x, w)
+        return y, (mean * 4).astype(jnp.int8), mean > 0
 
     axes: dict = dict(in_axes=(0, None), out_axes=(0, None, None), axis_name="i")
     chunked = fc.filter_chunked_vmap(
