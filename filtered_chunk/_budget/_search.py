@@ -245,15 +245,34 @@ def _model_size(sizes: _Sizes, cap: int) -> int:
     return sizes.at_most(min(cap, _segments(sizes)[-1][1]))
 
 
+def _with_linearisation(
+    found: Measured,
+    linear: Callable[[], Measured | None],
+    reverse: bool,
+    limit: int,
+    full: bool = False,
+) -> tuple[Measured, bool]:
+    """`found` (a size's program as compiled, under reverse mode its pullback)
+    with, under reverse mode, its linearisation's bytes where larger, and whether
+    both were measured. Both must fit, so the linearisation (`linear()`, `None`
+    under a `jax.custom_vjp`) compiles only if the pullback is within `limit`, or
+    if `full`: over it, the pullback alone says that the size does not fit."""
+    if not reverse:
+        return found, True
+    if found.total > limit and not full:
+        return found, False
+    other = linear()
+    return found if other is None else max(found, other, key=lambda m: m.total), True
+
+
 def measure_bytes(
     run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int, limit: int
 ) -> int:
     """The bytes a search measures for `run(k, tree)` at one size, to compare with
     `limit`: under reverse mode the larger of the call's pullback and its
-    linearisation, the second compiled only if the first is within `limit` (as
-    `choose_chunk_size` does: over it, the pullback's bytes alone say it does not
-    fit). Cached on the program traced at `k`: programs that trace alike compile
-    once."""
+    linearisation, the second compiled only if the first is within `limit`
+    (`_with_linearisation`, as in `choose_chunk_size`). Cached on the program
+    traced at `k`: programs that trace alike compile once."""
     program = ChunkedProgram(run, tree)
     base, layers = program.key(k)
 
@@ -267,11 +286,9 @@ def measure_bytes(
 
     found = _once("pullback", lambda: program.compile(k)[0])
     assert found is not None
-    if found.total <= limit and any(layer.kind == "reverse" for layer in layers):
-        linear = _once("linearisation", lambda: linearisation(program, k))
-        if linear is not None:
-            found = max(found, linear, key=lambda m: m.total)
-    return found.total
+    reverse = any(layer.kind == "reverse" for layer in layers)
+    linear = lambda: _once("linearisation", lambda: linearisation(program, k))  # noqa: E731
+    return _with_linearisation(found, linear, reverse, limit)[0].total
 
 
 def keep_if_fits(
@@ -483,16 +500,15 @@ def choose_chunk_size(
         return runs[k]
 
     def _measure(k: int, full: bool = False) -> Measured:
-        # Reverse mode is a pullback or a linearisation (none under a `custom_vjp`):
-        # both must fit, so the second compiles only if the first fits (or `full`).
+        # Reverse mode is a pullback or a linearisation: `_with_linearisation`.
         if k not in tried or full:
             found = _once(k, False)
             assert found is not None
-            if not reverse or full or found.total <= limit:
+            found, both = _with_linearisation(
+                found, lambda: _once(k, True), reverse, limit, full
+            )
+            if both:
                 complete.add(k)
-                linear = _once(k, True) if reverse else None
-                if linear is not None:
-                    found = max(found, linear, key=lambda m: m.total)
             tried[k] = found
         return tried[k]
 
