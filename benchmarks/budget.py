@@ -318,9 +318,10 @@ def _fixed_sizes(w: Any, quick: bool) -> list[int]:
 def _interleaved(
     calls: dict[str, Callable[[], Any]], repeats: int
 ) -> dict[str, list[float]]:
-    """The times of `calls` (given in order of memory), timed in rounds after a
-    warm-up, each round in the reverse order of the one before: each program runs
-    after one of like memory. A program run right after one that needs far more
+    """The times of `calls` (any that need far more memory than the others
+    last), timed in rounds after a warm-up, each round in the reverse order of the
+    one before: each program runs after one of like memory, or after itself, or
+    before the larger one. A program run right after one that needs far more
     memory can take three times as long (measured: (l) at 1 element a chunk
     read 74 ms after `jax.vmap` and 24 ms elsewhere in the same rounds)."""
     keys, times = list(calls), {key: [] for key in calls}
@@ -438,19 +439,27 @@ def measure_workload(w: Any, quick: bool, counter: Any, log: Callable) -> list[R
             )
             ranked = sorted(pre, key=lambda s: statistics.median(pre[s]))
             shortlist = [int(s) for s in ranked if int(s) != k][:SHORTLIST] or [k]
-            best, best_ratio = None, -math.inf
-            for s in shortlist:
-                calls = {"chosen": chosen, "model": modelled_call}
-                calls[f"fixed {s}"] = lambda e=sweep[s]: e(*args)
-                found = _interleaved(calls, repeats)
-                if _paired(found, "chosen", f"fixed {s}") > best_ratio:
-                    best_ratio = _paired(found, "chosen", f"fixed {s}")
-                    best, times = s, found
+            rounds = {
+                s: _interleaved(
+                    {"chosen": chosen, "model": modelled_call}
+                    | {f"fixed {s}": lambda e=sweep[s]: e(*args)},
+                    repeats,
+                )
+                for s in shortlist
+            }
+            best = max(
+                shortlist, key=lambda s: _paired(rounds[s], "chosen", f"fixed {s}")
+            )
+            times = rounds[best]
             row["fastest_fixed"] = best
             row["fastest_fixed_s"] = statistics.median(times[f"fixed {best}"])
         else:
             times = _interleaved({"chosen": chosen, "model": modelled_call}, repeats)
-        pairs = {"largest": lambda: at_largest.executable(*args)}
+        # The largest fitting size, unless it is the choice (the same program).
+        row["vs_largest"] = 1.0
+        pairs = (
+            {"largest": lambda: at_largest.executable(*args)} if largest != k else {}
+        )
         if fraction == 1:
             pairs["vmap"] = lambda: vmap.executable(*args)
         for name, call in pairs.items():
