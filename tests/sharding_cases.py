@@ -489,21 +489,41 @@ def test_kept_boundaries_per_device(axis_type, remainder, keep):
     _check_staged_per_device(axis_type, mesh_1d, 2, remainder, keep_boundaries=keep)
 
 
-def _check_staged_per_device(axis_type, mesh_of, chunk_size, remainder, **kwargs):
+def _normalised(w, x):
+    h = jnp.tanh(x * w) + x
+    mean = jax.lax.pmean(h, "i")
+    var = jax.lax.pmean((h - mean) ** 2, "i")
+    return (h - mean) * jax.lax.rsqrt(var + 1.0), var
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("keep", (False, True))
+def test_variance_in_its_means_pass_per_device(axis_type, keep):
+    # A variance about the batch's mean, summed in the mean's pass about a shift
+    # (`_staged/_moments.py`): each device sums its shard about the shift its
+    # devices agree on, on values far from zero.
+    _check_staged_per_device(
+        axis_type, mesh_1d, 2, "overlap", _normalised, 50.0, keep_boundaries=keep
+    )
+
+
+def _check_staged_per_device(
+    axis_type, mesh_of, chunk_size, remainder, fun=_every_collective, offset=0.0, **kw
+):
     mesh = mesh_of(axis_type)
     names = mesh.axis_names if len(mesh.axis_names) > 1 else mesh.axis_names[0]
-    x = jr.normal(jr.key(0), (40, 3))
+    x = jr.normal(jr.key(0), (40, 3)) + offset
     w = jnp.array([1.0, 2.0, 0.5])
     axes: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, None))
-    oracle = eqx.filter_vmap(_every_collective, axis_name="i", **axes)
+    oracle = eqx.filter_vmap(fun, axis_name="i", **axes)
     chunked = fc.filter_chunked_vmap(
-        _every_collective,
+        fun,
         axis_name="i",
         chunk_size=chunk_size,
         remainder=remainder,
         spmd_axis_name=mesh.axis_names,
         **axes,
-        **kwargs,
+        **kw,
     )
     loss = lambda f: lambda w, x: jnp.sum(jnp.sin(f(w, x)[0])) + jnp.sum(f(w, x)[1])
     expected = (oracle(w, x), jax.grad(loss(oracle), (0, 1))(w, x))

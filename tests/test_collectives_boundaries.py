@@ -107,8 +107,10 @@ def _count(jaxpr, name):
 @pytest.mark.parametrize("depth", (2, 4))
 def test_each_layer_runs_once(depth, getkey):
     # Each `Linear` is one `dot_general` per element: with the boundaries kept,
-    # the program holds one per layer, as `eqx.filter_vmap`'s; recomputing, the
-    # block of level `s` runs again in every later pass.
+    # the program holds one per layer, as `eqx.filter_vmap`'s, and one more per
+    # BatchNorm, which evaluates its block on the first chunk for the shift of
+    # its variance (`_staged/_moments.py`); recomputing, the block of level `s`
+    # runs again in every later pass.
     model, state = eqx.nn.make_with_state(_Net)(depth, getkey())
     x = jr.normal(getkey(), (16, 3))
 
@@ -117,7 +119,8 @@ def test_each_layer_runs_once(depth, getkey):
 
     oracle = eqx.filter_vmap(model, **_KWARGS)
     recomputed = fc.filter_chunked_vmap(model, chunk_size=4, **_KWARGS)
-    assert dots(_kept(model, 4)) == dots(oracle) == depth + 1
+    assert dots(oracle) == depth + 1
+    assert dots(_kept(model, 4)) == dots(oracle) + depth
     assert dots(recomputed) > 2 * depth + 1
 
 
@@ -198,8 +201,9 @@ def test_every_nth_pass_inside_cond_and_scan(getkey):
 
 
 def test_every_nth_pass_runs_fewer_layers_than_recomputing(getkey):
-    # Four blocks (eight passes): the program holds fewer `dot_general`s the more
-    # passes keep their boundaries, from recomputing (`False`) to keeping them all.
+    # Four blocks (four passes, one per BatchNorm): the program holds fewer
+    # `dot_general`s the more passes keep their boundaries, from recomputing
+    # (`False`) to keeping them all.
     model, state = eqx.nn.make_with_state(_Net)(4, getkey())
     x = jr.normal(getkey(), (16, 3))
 
@@ -209,9 +213,9 @@ def test_every_nth_pass_runs_fewer_layers_than_recomputing(getkey):
         )
         return _count(jax.make_jaxpr(chunked)(x, state).jaxpr, "dot_general")
 
-    found = [dots(keep) for keep in (False, 8, 4, 2, True)]
+    found = [dots(keep) for keep in (False, 4, 3, 2, True)]
     assert found == sorted(found, reverse=True) and len(set(found)) == 5
-    assert found[-1] == 5 and dots(1) == found[-1] and dots(64) == found[0]
+    assert found[-1] == 5 + 4 and dots(1) == found[-1] and dots(64) == found[0]
 
 
 def _wide(x, weights):
@@ -253,8 +257,10 @@ def test_budget_keeps_boundaries_that_fit(getkey):
     choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
     assert choice.keep_boundaries and choice.chunk_size < 256
     assert compiled_bytes(_budgeted(budget), x, weights) == choice.bytes <= budget
+    # Each layer once, and once more on the first chunk for its block's shift
+    # (the variance is summed in its mean's pass: `_staged/_moments.py`).
     jaxpr = jax.make_jaxpr(_budgeted(budget))(x, weights).jaxpr
-    assert _count(jaxpr, "dot_general") == 6
+    assert _count(jaxpr, "dot_general") == 6 + 6
     assert tree_allclose(_budgeted(budget)(x, weights), oracle(x, weights))
 
 
@@ -264,7 +270,7 @@ def test_budget_too_small_for_every_pass_keeps_fewer(getkey):
     # keeps every `n`-th pass's, so the call fits, runs fewer layers than
     # recomputing and more than keeping them all, and matches `eqx.filter_vmap`.
     x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 3)
-    budget = 160 * 1024
+    budget = 120 * 1024
     loss = lambda run: lambda w: jnp.sum(jnp.sin(run(x, w)))
     with pytest.raises(ValueError, match="too small"):
         jax.grad(loss(_budgeted(budget, keep_boundaries=True)))(weights)
@@ -299,7 +305,8 @@ def test_budget_runs_a_batch_that_fits_whole(getkey):
 def test_kept_memory_does_not_grow_with_depth(getkey):
     # Evaluated, each pass writes into the buffers no later pass reads: the kept
     # values of a deeper network need no more memory (XLA would otherwise keep
-    # every loop's output allocated: a buffer more a pass).
+    # every loop's output allocated: a buffer more a pass). Two blocks and four
+    # (a pass each): one block has one pass, whose buffers no pass reuses.
     x = jr.normal(getkey(), (256, 6))
     boundary = x.size * x.dtype.itemsize  # one kept value of every element
 
@@ -309,7 +316,7 @@ def test_kept_memory_does_not_grow_with_depth(getkey):
         )
         return compiled_bytes(chunked, x, _weights(getkey(), depth))
 
-    shallow, deep = kept_bytes(1), kept_bytes(4)
+    shallow, deep = kept_bytes(2), kept_bytes(4)
     assert deep - shallow < boundary
 
 

@@ -25,6 +25,7 @@ import jax.extend.core as jex
 from .._jaxprs import subjaxprs
 from .._structs import inexact, struct
 from ._analysis import axis_names, in_derivatives
+from ._moments import find_moments, Moment
 from ._program import bind, CUSTOM, Program, varying_outputs
 
 
@@ -32,6 +33,9 @@ from ._program import bind, CUSTOM, Program, varying_outputs
 # per-element values (broadcast when they do not vary) fill a batch-sized buffer.
 _PER_ELEMENT = ("ppermute", "all_to_all", "reduce_scatter")
 FINAL = "final"
+# The stage `(SHIFT, s)` computes, for the first chunk, the operands of the means
+# whose variances pass `s` computes too (`_moments.py`): their shifts.
+SHIFT = "shift"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,9 @@ class Plan:
     # The values with a derivative: those that depend on an inexact input other
     # than through `lax.stop_gradient`.
     differentiable: frozenset[Any]
+    # Level -> the variances that its pass computes beside their means, about a
+    # shift (`_moments.py`); the stage `(SHIFT, level)` computes the shifts.
+    moments: dict[int, list[Moment]] = dataclasses.field(default_factory=dict)
 
     def at_level(self, level: int) -> list[int]:
         return [i for i, lv in self.levels.items() if lv == level]
@@ -68,12 +75,19 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
     level = {v: 0 for v in invars}
     var = {v: first <= i < first + program.num_mapped_in for i, v in enumerate(invars)}
     levels: dict[int, int] = {}
+    found = find_moments(jaxpr, axis_name, program.batch_size)
+    moments: dict[int, list[Moment]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         in_var = [_is_var(v) and var[v] for v in eqn.invars]
         lv = max((level[v] for v in eqn.invars if _is_var(v)), default=0)
         name = eqn.primitive.name
         if axis_name in axis_names(eqn.params) and name != "axis_index":
-            if any(in_var) or name in _PER_ELEMENT:
+            if i in found and found[i].mean in levels and any(in_var):
+                # A variance about its mean: in the mean's pass.
+                lv = levels[found[i].mean]
+                levels[i] = lv
+                moments.setdefault(lv, []).append(found[i])
+            elif any(in_var) or name in _PER_ELEMENT:
                 lv += 1
                 levels[i] = lv
         out_var = varying_outputs(eqn, in_var, axis_name)
@@ -91,18 +105,37 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
     writes: dict[Any, list[Any]] = {s: [] for s in targets}
     # A kept value -> the stage that computed it first (and writes it).
     kept: dict[Any, Any] = {}
-    for stage, roots in targets.items():
+    for stage, roots in list(targets.items()):
         upto = num_passes + 1 if stage == FINAL else stage
+        shifted = moments.get(upto, []) if stage != FINAL else []
+        given = {moment.m for moment in shifted}
+        if given:  # the first chunk's means, before the pass
+            probe = (SHIFT, stage)
+            targets[probe] = [
+                v for moment in shifted for v in jaxpr.eqns[moment.mean].invars
+            ]
+            schedules[probe], reads[probe] = _schedule(
+                jaxpr.eqns, targets[probe], upto, levels, False, kept.keys()
+            )
+            writes[probe] = []
+            for v in reads[probe]:
+                if v not in writes[kept[v]]:
+                    writes[kept[v]].append(v)
         order, read = _schedule(
-            jaxpr.eqns, roots, upto, levels, stage == FINAL, kept.keys()
+            jaxpr.eqns, roots, upto, levels, stage == FINAL, kept.keys(), given
         )
         schedules[stage], reads[stage] = order, read
         for v in read:
             if v not in writes[kept[v]]:
                 writes[kept[v]].append(v)
         if keep and stage != FINAL and stage % keep == 0:
+            about_shift = set(given)
             for i in order:
                 eqn = jaxpr.eqns[i]
+                # What the pass computes about a shift is not the program's value.
+                if any(_is_var(v) and v in about_shift for v in eqn.invars):
+                    about_shift.update(eqn.outvars)
+                    continue
                 # A collective's result is given, or cheap: never buffered.
                 if axis_name in axis_names(eqn.params):
                     continue
@@ -118,6 +151,7 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
         reads,
         writes,
         _differentiable(jaxpr, invars),
+        moments,
     )
 
 
@@ -137,17 +171,18 @@ def _schedule(
     levels: dict[int, int],
     effects: bool,
     kept: Collection[Any],
+    given: Collection[Any] = (),
 ) -> tuple[list[int], list[Any]]:
     """The equations that compute `roots` at `stage`, where the collectives of
-    lower levels are given and the `kept` values are read from buffers; and the
-    kept values it reads, in the program's order. Effects (`jax.debug.callback`)
-    run in the final stage only, so once per element."""
+    lower levels and the `given` values are given and the `kept` values are read
+    from buffers; and the kept values it reads, in the program's order. Effects
+    (`jax.debug.callback`) run in the final stage only, so once per element."""
     needed = {v for v in roots if _is_var(v)}
     order = []
     for i in reversed(range(len(eqns))):
         eqn = eqns[i]
         outvars = [v for v in eqn.outvars if not isinstance(v, jex.DropVar)]
-        wanted = any(v in needed and v not in kept for v in outvars)
+        wanted = any(v in needed and v not in kept and v not in given for v in outvars)
         if not (wanted or (effects and eqn.effects)):
             continue
         order.append(i)

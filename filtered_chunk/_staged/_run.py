@@ -32,7 +32,7 @@ from .._structs import inexact, typed
 from .._summed import as_sums, merge_varying, split_varying
 from ._analysis import axis_names
 from ._passes import finish, kind, read, strong, unstaged
-from ._plan import check_custom_rules, FINAL, make_plan, Plan
+from ._plan import check_custom_rules, FINAL, make_plan, Plan, SHIFT
 from ._program import bind, staged_program
 
 
@@ -57,13 +57,16 @@ def _evaluate(
     results: dict[int, list[Array]],
     position: Any,
     kept: list[Array],
+    shifts: dict[Any, Array],
 ) -> list[Any]:
     """Stage `stage` of the program for one element (at `position` in the batch,
-    with `kept` its rows of the buffers the stage reads): its targets, then the
-    values it writes for later stages."""
+    with `kept` its rows of the buffers the stage reads, and `shifts` the values
+    that its variances are summed about): its targets, then the values it writes
+    for later stages."""
     program = plan.program
     jaxpr, axis_name = program.jaxpr, program.axis_name
     env = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), args, strict=True))
+    env |= shifts
     # A buffer holds the value's dtype; its weak type is the program's.
     env |= {v: typed(x, v.aval) for v, x in zip(plan.reads[stage], kept, strict=True)}
     get = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
@@ -137,14 +140,20 @@ def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list
 
 
 def _element_fn(
-    plan: Plan, stage: Any, fixed: list[Any], results: dict[int, list[Array]]
+    plan: Plan,
+    stage: Any,
+    fixed: list[Any],
+    results: dict[int, list[Array]],
+    shifts: dict[Any, Array] | None = None,
 ) -> Callable[[list[Array], Array], list[Any]]:
     """`_evaluate` of `stage` for one element of the stage's loop's inputs."""
     num_mapped = plan.program.num_mapped_in
+    shifts = shifts or {}
 
     def _element(_mapped: list[Array], _position: Array) -> list[Any]:
         _args = _with_mapped(plan, fixed, _mapped[:num_mapped])
-        return _evaluate(plan, stage, _args, results, _position, _mapped[num_mapped:])
+        kept = _mapped[num_mapped:]
+        return _evaluate(plan, stage, _args, results, _position, kept, shifts)
 
     return _element
 
@@ -182,7 +191,11 @@ def _pass(
     ]
 
     inputs = _stage_inputs(plan, level, batch, buffers)
-    element = _element_fn(plan, level, fixed, results)
+    shifts = {}
+    if plan.moments.get(level):
+        probe = _stage_inputs(plan, (SHIFT, level), batch, buffers)
+        shifts = _shifts(plan, level, fixed, results, probe, options.chunk_size, shard)
+    element = _element_fn(plan, level, fixed, results, shifts)
     num_written = len(plan.writes[level])
 
     def _chunk_fn(_inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
@@ -230,7 +243,47 @@ def _pass(
     kept = dict(zip(plan.writes[level], written, strict=True))
     reads = plan.reads[level]
     kept |= {reads[i - len(batch[0])]: x for i, x in zip(relay, relayed, strict=True)}
-    return _results(plan, level, acc, gathered), kept
+    return _results(plan, level, acc, gathered, shifts), kept
+
+
+def _positions(plan: Plan, shard: BatchSharding | None) -> Array:
+    """The positions in the whole batch of this device's elements."""
+    num_devices = 1 if shard is None else shard.num_devices
+    positions = jnp.arange(plan.program.batch_size // num_devices)
+    if shard is not None:  # this device's elements follow those of the ones before
+        device = lax.axis_index(shard.axis_names).astype(positions.dtype)
+        positions = positions + device * positions.shape[0]
+    return positions
+
+
+def _shifts(
+    plan: Plan,
+    level: int,
+    fixed: list[Any],
+    results: dict[int, list[Array]],
+    inputs: tuple[list[Array], list[int]],
+    chunk_size: int,
+    shard: BatchSharding | None,
+) -> dict[Any, Array]:
+    """The values that the variances of the level's pass are summed about
+    (`_moments.py`), by the variable of their mean: each mean's operand averaged
+    over this device's first chunk of `inputs` (the mapped leaves of the stage
+    `(SHIFT, level)` and their axes) and over the devices, without derivatives."""
+    positions = _positions(plan, shard)
+    size = min(chunk_size, positions.shape[0])
+    leaves, axes = inputs
+    first = [lax.slice_in_dim(x, 0, size, axis=a) for x, a in zip(leaves, axes)]
+    stopped = lambda x: lax.stop_gradient(x) if isinstance(x, jax.Array) else x  # noqa: E731
+    fixed, results, first = jax.tree.map(stopped, (fixed, results, first))
+    element = _element_fn(plan, (SHIFT, level), fixed, results)
+    rows = jax.vmap(element, in_axes=(axes, 0))(first, positions[:size])
+    shifts = {}
+    for moment, x in zip(plan.moments[level], rows, strict=True):
+        shift = jnp.mean(strong(x), axis=0)
+        if shard is not None:
+            shift = across("sum", shift, shard.axis_names) / shard.num_devices
+        shifts[moment.m] = typed(shift.astype(x.dtype), moment.m.aval)
+    return shifts
 
 
 def _loop(
@@ -248,12 +301,8 @@ def _loop(
     library's loop, reported as loop `level` of the plan's, writing into
     `spares` where it can; and the mapped leaves at the positions `relay`, as
     the loop relays them."""
-    num_devices = 1 if shard is None else shard.num_devices
-    batch_size = plan.program.batch_size // num_devices
-    positions = jnp.arange(batch_size)
-    if shard is not None:  # this device's elements follow those of the ones before
-        device = lax.axis_index(shard.axis_names).astype(positions.dtype)
-        positions = positions + device * batch_size
+    positions = _positions(plan, shard)
+    batch_size = positions.shape[0]
     inputs = (list(batch[0]), positions)
     in_axes = (list(batch[1]), 0)
     loops = plan.num_passes + 1
@@ -271,16 +320,28 @@ def _loop(
 
 
 def _results(
-    plan: Plan, level: int, acc: list[Any], gathered: list[Array]
+    plan: Plan,
+    level: int,
+    acc: list[Any],
+    gathered: list[Array],
+    shifts: dict[Any, Array],
 ) -> dict[int, list[Array]]:
     program = plan.program
+    eqns = program.jaxpr.eqns
     accs, rows = iter(acc), iter(gathered)
+    moments = {moment.variance: moment for moment in plan.moments.get(level, [])}
     out = {}
     for i in plan.at_level(level):
-        eqn = program.jaxpr.eqns[i]
+        eqn = eqns[i]
         parts = [
             next(rows) if kind(eqn) == "gather" else next(accs) for _ in eqn.invars
         ]
+        if i in moments:  # summed about a shift: its mean's result corrects it
+            moment = moments[i]
+            m_eqn = eqns[moment.m_eqn]
+            (m,) = bind(m_eqn, [out[moment.mean][0], m_eqn.invars[1].val])
+            summed = moment.correct(parts[0], m, shifts[moment.m], program.batch_size)
+            parts = [typed(summed, eqn.invars[0].aval)]
         out[i] = finish(eqn, parts, program.axis_name, program.batch_size)
     return out
 

@@ -1,0 +1,217 @@
+"""Staged collectives: a variance about a mean over the batch in the mean's pass.
+
+BatchNorm (`eqx.nn.BatchNorm`, and the same written by hand) computes a mean over
+the batch, then the mean of the squared deviations from it:
+
+    m = lax.pmean(jnp.mean(y, J), axis_name)
+    v = lax.pmean(jnp.mean((y - m) * jnp.conj(y - m), J), axis_name)
+
+As written, the variance's collective depends on the mean's, so it takes a pass of
+its own (`_plan.py`), and each pass recomputes what it needs of `fun`. But for any
+`K` of the mean's shape, summing over the batch's `N` elements and the `|J|`
+reduced positions of each,
+
+    sum((y - K)(y - K)') = sum((y - m)(y - m)') + N |J| (m - K)(m - K)'
+
+(`'` the same conjugation or none), because `sum(y - m) = 0` when `m` is the mean
+of those same values: the cross terms vanish. So the pass that sums the mean's
+operand can also sum the variance's operand about a shift `K` known before it, and
+the variance's result is that sum less the correction: one pass where there were
+two, exact in real arithmetic and in every derivative (the identity holds for
+every `y`, and `K` is a constant). In floating point the shifted sum is the
+"shifted data" algorithm: its rounding error grows with `N |m - K|^2` against the
+variance, so `K` is the mean of the first chunk's elements (`_run.py`), which
+bounds that term by `N / chunk_size` times the variance and makes it, for a batch
+in no particular order, about one chunk's sampling error of the mean
+(`tests/test_collectives_moments.py` checks data far from zero, where the
+textbook one-pass formula loses every digit).
+
+[`find_moments`][] recognises the pattern in the staged program's jaxpr,
+equation by equation; anything else (another reduction, a cast between, a sum
+over other axes) is left to its own pass, as before.
+"""
+
+import dataclasses
+import math
+from collections.abc import Hashable
+from typing import Any
+
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .._structs import inexact
+from ._analysis import axis_names
+
+
+@dataclasses.dataclass(frozen=True)
+class Moment:
+    """A variance's `psum` (equation `variance`) whose operand is a mean over the
+    axes `J` of `pair(y - m)`, where `m` is the result of the equation `mean_of`
+    (`psum(mean(y, J)) / N`, the `psum` being equation `mean`)."""
+
+    mean: int  # the mean's `psum`
+    variance: int  # the variance's `psum`
+    m: Any  # the mean over the batch (a variable of the jaxpr)
+    m_eqn: int  # the equation that computes it from the mean's `psum`
+    conj: tuple[bool, bool]  # which factor of the pair is conjugated
+    # The variance's operand is `coef` times the mean over `J` of the pairs, so
+    # the correction is `coef * N * pair(m - K)`.
+    coef: float
+
+    def correct(self, summed: Array, m: Array, shift: Array, batch_size: int) -> Array:
+        """The variance's `psum` from its operand's sum about `shift`."""
+        d = m - shift
+        first, second = (jnp.conj(d) if c else d for c in self.conj)
+        return summed - (self.coef * batch_size) * (first * second)
+
+
+def _is_literal(v: Any, value: int) -> bool:
+    if not isinstance(v, jex.Literal) or np.shape(v.val) != ():
+        return False
+    return bool(np.asarray(v.val) == value)
+
+
+def _single_psum(eqn: Any, axis_name: Hashable) -> bool:
+    return (
+        eqn is not None
+        and eqn.primitive.name == "psum"
+        and len(eqn.invars) == 1
+        and axis_names(eqn.params) == (axis_name,)
+        and eqn.params.get("axis_index_groups") is None
+    )
+
+
+class _Matcher:
+    def __init__(self, jaxpr: Any, axis_name: Hashable, batch_size: int):
+        self.eqns = jaxpr.eqns
+        self.axis_name = axis_name
+        self.batch_size = batch_size
+        self.made_by: dict[Any, int] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                if not isinstance(v, jex.DropVar):
+                    self.made_by[v] = i
+
+    def producer(self, v: Any, name: str) -> Any:
+        """The equation of primitive `name` that makes `v`, or `None`."""
+        if isinstance(v, jex.Literal) or v not in self.made_by:
+            return None
+        eqn = self.eqns[self.made_by[v]]
+        return eqn if eqn.primitive.name == name else None
+
+    def mean_over(self, v: Any) -> tuple[Any, tuple[int, ...], float] | None:
+        """`v` as `reduce_sum(x, J) / s`, the sum or the division left out where
+        the jaxpr has none (`J = ()`, `s = 1`): `(x, J, s)`."""
+        divided = self.producer(v, "div")
+        scale = 1.0
+        if divided is not None:
+            lit = divided.invars[1]
+            if not isinstance(lit, jex.Literal) or np.shape(lit.val) != ():
+                return None
+            value = complex(np.asarray(lit.val))
+            if value.imag != 0 or value.real == 0:
+                return None
+            scale, v = value.real, divided.invars[0]
+        summed = self.producer(v, "reduce_sum")
+        if summed is None:
+            return v, (), scale
+        return summed.invars[0], tuple(sorted(summed.params["axes"])), scale
+
+    def deviation(self, v: Any, axes: tuple[int, ...]) -> tuple[Any, Any] | None:
+        """`v` as `y - m`, `m` broadcast along `axes` of `y`: `(y, m)`."""
+        sub = self.producer(v, "sub")
+        if sub is None or any(isinstance(x, jex.Literal) for x in sub.invars):
+            return None
+        y, m = sub.invars
+        shape = y.aval.shape
+        kept = [d for d in range(len(shape)) if d not in axes]
+        broadcast = self.producer(m, "broadcast_in_dim")
+        if broadcast is not None:
+            m = broadcast.invars[0]
+            out = broadcast.outvars[0].aval.shape
+            if tuple(broadcast.params["broadcast_dimensions"]) != tuple(kept):
+                return None
+            if any(out[d] not in (1, shape[d]) for d in axes) or len(out) != len(shape):
+                return None
+        if isinstance(m, jex.Literal) or m.aval.shape != tuple(shape[d] for d in kept):
+            return None
+        return y, m
+
+    def factor(self, v: Any, axes: tuple[int, ...]) -> tuple[Any, Any, bool] | None:
+        conj = self.producer(v, "conj")
+        found = self.deviation(conj.invars[0] if conj else v, axes)
+        return None if found is None else (*found, conj is not None)
+
+    def pair(self, v: Any, axes: tuple[int, ...]) -> tuple[Any, Any, tuple] | None:
+        """`v` as `pair(y - m)`: `(y, m, conj)`."""
+        eqn = self.eqns[self.made_by[v]] if v in self.made_by else None
+        if eqn is None:
+            return None
+        name = eqn.primitive.name
+        if name == "square" or (name == "integer_pow" and eqn.params["y"] == 2):
+            found = self.deviation(eqn.invars[0], axes)
+            return None if found is None else (*found, (False, False))
+        if name != "mul":
+            return None
+        factors = [self.factor(x, axes) for x in eqn.invars]
+        if None in factors:
+            return None
+        (y1, m1, c1), (y2, m2, c2) = factors  # pyright: ignore[reportGeneralTypeIssues]
+        if y1 is not y2 or m1 is not m2:
+            return None
+        return y1, m1, (c1, c2)
+
+    def match(self, i: int) -> Moment | None:
+        """Equation `i` as a variance's `psum` about a mean over the batch."""
+        eqn = self.eqns[i]
+        if not _single_psum(eqn, self.axis_name):
+            return None
+        (operand,) = eqn.invars
+        if isinstance(operand, jex.Literal) or not inexact(operand.aval):
+            return None
+        outer = self.mean_over(operand)
+        if outer is None:
+            return None
+        pairs, axes, scale = outer
+        found = self.pair(pairs, axes)
+        if found is None:
+            return None
+        y, m, conj = found
+        # `m`: the batch's mean of `mean(y, J)`, as `lax.pmean` computes it.
+        m_eqn = self.producer(m, "div")
+        if m_eqn is None or not _is_literal(m_eqn.invars[1], self.batch_size):
+            return None
+        mean = self.producer(m_eqn.invars[0], "psum")
+        if not _single_psum(mean, self.axis_name):
+            return None
+        inner = self.mean_over(mean.invars[0])
+        size = math.prod(y.aval.shape[d] for d in axes)
+        if inner is None or inner[0] is not y or inner[1:] != (axes, size):
+            return None
+        if len({y.aval.dtype, m.aval.dtype, operand.aval.dtype}) != 1:
+            return None
+        return Moment(
+            self.made_by[m_eqn.invars[0]],
+            i,
+            m,
+            self.made_by[m],
+            conj,
+            size / scale,
+        )
+
+
+def find_moments(jaxpr: Any, axis_name: Hashable, batch_size: int) -> dict[int, Moment]:
+    """Each variance's `psum` equation in `jaxpr` that can be computed in its mean's
+    pass (see the module docstring), by its index."""
+    if batch_size == 0:
+        return {}
+    matcher = _Matcher(jaxpr, axis_name, batch_size)
+    found = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "psum":
+            moment = matcher.match(i)
+            if moment is not None:
+                found[i] = moment
+    return found
