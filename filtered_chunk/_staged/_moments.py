@@ -19,12 +19,13 @@ operand can also sum the variance's operand about a shift `K` known before it, a
 the variance's result is that sum less the correction: one pass where there were
 two, exact in real arithmetic and in every derivative (the identity holds for
 every `y`, and `K` is a constant). In floating point the shifted sum is the
-"shifted data" algorithm: its rounding error grows with `N |m - K|^2` against the
-variance, so `K` is the mean of the first chunk's elements (`_run.py`), which
-bounds that term by `N / chunk_size` times the variance and makes it, for a batch
-in no particular order, about one chunk's sampling error of the mean
+"shifted data" algorithm: its rounding error grows with `N |J| |m - K|^2`
+against the variance. `K` is the mean of a sample of the batch (`_run.py`: 256
+elements, or a chunk, at an even stride), so that term is about the
+variance over the sample's size for a batch of any order, and at worst `N /
+size` times the variance (the sample's own deviations bound it)
 (`tests/test_collectives_moments.py` checks data far from zero, where the
-textbook one-pass formula loses every digit).
+textbook one-pass formula loses every digit, and a sorted batch).
 
 [`find_moments`][] recognises the pattern in the staged program's jaxpr,
 equation by equation; anything else (another reduction, a cast between, a sum
