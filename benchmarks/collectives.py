@@ -11,7 +11,8 @@ constant-fold):
 
 - `softmax`: an MLP's logits, then a softmax over the batch (`pmax`, then `psum`);
 - `normalised`: a loss normalised by a `psum` over the batch;
-- `batchnorm`: an MLP with two `eqx.nn.BatchNorm` layers (four dependent `pmean`s).
+- `batchnorm`: an MLP with two `eqx.nn.BatchNorm` layers (two dependent levels:
+  each layer's mean and variance take one pass).
 
 Each is measured evaluated and under `jax.grad` w.r.t. the parameters. Memory is
 XLA's temporaries plus outputs from `memory_analysis()`; the floor is that of
@@ -339,9 +340,12 @@ def _networks(name, depth, mode, quick):
             f"{statistics.median(ratio):.2f}x | {first:.1f} |"
         )
     # The same up to the order of float32 sums, relative to the largest value.
+    # Under `jax.grad` at L = 8 rounding alone moves the gradient by 7.5e-4 of
+    # its largest entry (`jax.vmap`'s own against float64, 2026-12-04).
     leaves = list(zip(jax.tree.leaves(outputs[0]), jax.tree.leaves(outputs[1])))
     scale = max(float(jnp.max(jnp.abs(a))) for a, _ in leaves)
-    if any(float(jnp.max(jnp.abs(a - b))) > 1e-4 * scale for a, b in leaves):
+    tolerance = (1e-4 if mode == "evaluate" else 2e-3) * scale
+    if any(float(jnp.max(jnp.abs(a - b))) > tolerance for a, b in leaves):
         raise SystemExit(f"{name} L={depth} {mode}: kept boundaries differ")
     if mode == "evaluate" and used[1] > used[0] + 3 * boundary:
         raise SystemExit(f"{name} L={depth}: kept boundaries need more than three")
