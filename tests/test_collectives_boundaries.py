@@ -108,7 +108,7 @@ def _count(jaxpr, name):
 def test_each_layer_runs_once(depth, getkey):
     # Each `Linear` is one `dot_general` per element: with the boundaries kept,
     # the program holds one per layer, as `eqx.filter_vmap`'s, and one more per
-    # BatchNorm, which evaluates its block on the first chunk for the shift of
+    # BatchNorm, which evaluates its block on a sample for the shift of
     # its variance (`_staged/_moments.py`); recomputing, the block of level `s`
     # runs again in every later pass.
     model, state = eqx.nn.make_with_state(_Net)(depth, getkey())
@@ -257,7 +257,7 @@ def test_budget_keeps_boundaries_that_fit(getkey):
     choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
     assert choice.keep_boundaries and choice.chunk_size < 256
     assert compiled_bytes(_budgeted(budget), x, weights) == choice.bytes <= budget
-    # Each layer once, and once more on the first chunk for its block's shift
+    # Each layer once, and once more on a sample for its block's shift
     # (the variance is summed in its mean's pass: `_staged/_moments.py`).
     jaxpr = jax.make_jaxpr(_budgeted(budget))(x, weights).jaxpr
     assert _count(jaxpr, "dot_general") == 6 + 6

@@ -33,8 +33,8 @@ from ._program import bind, CUSTOM, Program, varying_outputs
 # per-element values (broadcast when they do not vary) fill a batch-sized buffer.
 _PER_ELEMENT = ("ppermute", "all_to_all", "reduce_scatter")
 FINAL = "final"
-# The stage `(SHIFT, s)` computes, for the first chunk, the operands of the means
-# whose variances pass `s` computes too (`_moments.py`): their shifts.
+# The stage `(SHIFT, s)` computes, for a sample of the batch, the operands of the
+# means whose variances pass `s` computes too (`_moments.py`): their shifts.
 SHIFT = "shift"
 
 
@@ -105,11 +105,18 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
     writes: dict[Any, list[Any]] = {s: [] for s in targets}
     # A kept value -> the stage that computed it first (and writes it).
     kept: dict[Any, Any] = {}
+
+    def _written(read: list[Any]) -> None:
+        # Each kept value that a stage reads is written by the stage that kept it.
+        for v in read:
+            if v not in writes[kept[v]]:
+                writes[kept[v]].append(v)
+
     for stage, roots in list(targets.items()):
         upto = num_passes + 1 if stage == FINAL else stage
         shifted = moments.get(upto, []) if stage != FINAL else []
         given = {moment.m for moment in shifted}
-        if given:  # the first chunk's means, before the pass
+        if given:  # the means of the shifts' sample, before the pass
             probe = (SHIFT, stage)
             targets[probe] = [
                 v for moment in shifted for v in jaxpr.eqns[moment.mean].invars
@@ -118,16 +125,12 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
                 jaxpr.eqns, targets[probe], upto, levels, False, kept.keys()
             )
             writes[probe] = []
-            for v in reads[probe]:
-                if v not in writes[kept[v]]:
-                    writes[kept[v]].append(v)
+            _written(reads[probe])
         order, read = _schedule(
             jaxpr.eqns, roots, upto, levels, stage == FINAL, kept.keys(), given
         )
         schedules[stage], reads[stage] = order, read
-        for v in read:
-            if v not in writes[kept[v]]:
-                writes[kept[v]].append(v)
+        _written(read)
         if keep and stage != FINAL and stage % keep == 0:
             about_shift = set(given)
             for i in order:

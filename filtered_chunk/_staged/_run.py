@@ -306,7 +306,8 @@ def _shifts(
         rows = jax.vmap(element, in_axes=(axes, 0))(part, positions[index])
         return [t + jnp.sum(strong(x), axis=0) for t, x in zip(total, rows)]
 
-    operands = [plan.program.jaxpr.eqns[m.mean].invars[0] for m in plan.moments[level]]
+    # The stage's targets: the operand of each moment's mean.
+    operands = plan.targets[(SHIFT, level)]
     init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in operands]
     # A `while` (not a `scan`, which the passes are), with no derivative: the
     # shift is a constant of the pass.
