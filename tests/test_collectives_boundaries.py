@@ -270,7 +270,7 @@ def test_budget_too_small_for_every_pass_keeps_fewer(getkey):
     # keeps every `n`-th pass's, so the call fits, runs fewer layers than
     # recomputing and more than keeping them all, and matches `eqx.filter_vmap`.
     x, weights = jr.normal(getkey(), (256, 6)), _weights(getkey(), 3)
-    budget = 120 * 1024
+    budget = 100 * 1024
     loss = lambda run: lambda w: jnp.sum(jnp.sin(run(x, w)))
     with pytest.raises(ValueError, match="too small"):
         jax.grad(loss(_budgeted(budget, keep_boundaries=True)))(weights)
@@ -393,3 +393,67 @@ def test_kept_cotangent_memory_does_not_grow_with_readers(getkey):
 
     few, many = grad_bytes(1), grad_bytes(5)
     assert many - few < boundary
+
+
+@pytest.mark.parametrize("chunk_size", (16, 24))
+def test_kept_cotangents_are_written_over_in_place(chunk_size, getkey):
+    # Under `jax.grad` every kept value is a residual, but the cotangents of a
+    # chain of them share one buffer: each transposed loop writes the cotangent
+    # of the value it read over that of the value it kept. Two more blocks of
+    # `_wide` keep two more values (a pass each); with a cotangent buffer each,
+    # as the loop's transpose would otherwise make them, they needed 5.2 (chunks
+    # of 16) and 5.9 (24, an overlapping last chunk) boundaries more, against
+    # 3.1 and 3.9 written over.
+    x = jr.normal(getkey(), (256, 6))
+    c = jr.normal(getkey(), x.shape)  # an argument: no constant cotangent to fold
+    boundary = x.size * x.dtype.itemsize  # one kept value of every element
+    kept = fc.filter_chunked_vmap(
+        _wide,
+        in_axes=(0, None),
+        axis_name="i",
+        chunk_size=chunk_size,
+        keep_boundaries=True,
+    )
+    loss = lambda _w, _c: jnp.sum(_c * kept(x, _w))  # noqa: E731
+    key = getkey()
+    shallow, deep = (
+        compiled_bytes(jax.grad(loss), _weights(key, depth), c) for depth in (2, 4)
+    )
+    assert deep - shallow < (2 + 2.5) * boundary
+    oracle = eqx.filter_vmap(_wide, in_axes=(0, None), axis_name="i")
+    weights = _weights(key, 4)
+    expected = jax.grad(lambda _w: jnp.sum(c * oracle(x, _w)))(weights)
+    assert tree_allclose(jax.grad(loss)(weights, c), expected)
+
+
+def _custom_first(x, w):
+    # The first pass computes `h` through a `custom_vjp` (with an overlap, the
+    # derivative evaluates the leftover rows apart) and keeps it; the second
+    # keeps `g`: each written over the tangent of what its loop read.
+    h = _doubled(jnp.tanh(x * w))
+    g = jnp.sin(h - lax.pmean(h, "i"))
+    return g * lax.pmean(g, "i")
+
+
+@pytest.mark.parametrize(
+    "batch_size, remainder",
+    [(2, "overlap"), (7, "overlap"), (7, "separate"), (9, "overlap"), (10, "overlap")],
+)
+def test_written_over_derivatives(batch_size, remainder, getkey):
+    x = jr.normal(getkey(), (batch_size, 4))
+    w = jr.normal(getkey(), (4,))
+    c = jr.normal(getkey(), (batch_size, 4))
+    kwargs: dict = dict(in_axes=(0, None), axis_name="i")
+    oracle = eqx.filter_vmap(_custom_first, **kwargs)
+    kept = fc.filter_chunked_vmap(
+        _custom_first, chunk_size=3, remainder=remainder, keep_boundaries=True, **kwargs
+    )
+
+    def grad(f):
+        return jax.grad(lambda _x, _w: jnp.sum(c * f(_x, _w)), argnums=(0, 1))
+
+    assert tree_allclose(jax.jit(grad(kept))(x, w), grad(oracle)(x, w))
+    # Forward mode over reverse (a `custom_vjp` takes no forward mode alone).
+    tx, tw = jr.normal(getkey(), x.shape), jr.normal(getkey(), w.shape)
+    hvp = lambda f: jax.jvp(grad(f), (x, w), (tx, tw))  # noqa: E731
+    assert tree_allclose(hvp(kept), hvp(oracle))

@@ -160,6 +160,7 @@ def run_in_chunks(
     loop: str | None = None,
     spares: Sequence[Array] = (),
     relay: Sequence[int] = (),
+    overwrite: Sequence[int] = (),
 ) -> tuple[ChunkOutput, list[Array]]:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
@@ -181,6 +182,13 @@ def run_in_chunks(
     is overwritten). XLA gives each loop's outputs memory of their own, even
     once they are dead, but writes a loop's carry in place: so a caller running
     loops one after another keeps the memory of the dead ones in use.
+
+    `overwrite` are positions, among the batched outputs, of written ones whose
+    tangent the loop may write over the tangent of an input of the same type, in
+    place (`_rule.py`, `_in_place`): in reverse mode the cotangent of such an
+    output becomes the input's in one buffer, where each loop of a chain would
+    otherwise make one of its own. For outputs that later loops read, not the
+    call's own.
     """
     if options.chunk_size >= batch_size:  # one `vmap` of the batch
         # A call not split into chunks reports nothing, unless it is one of a
@@ -232,6 +240,7 @@ def run_in_chunks(
             found,
             kinds,
             tuple(relay),
+            tuple(overwrite),
         )
 
     whole = _schedule(batch_size, chunk_size, num_steps, found, relay)

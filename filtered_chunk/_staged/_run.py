@@ -219,7 +219,14 @@ def _pass(
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
     relay = _relay(plan, level, len(batch[0]))
-    out, relayed = _loop(plan, _chunk_fn, inputs, options, shard, level, spares, relay)
+    # The kept values' tangents may be written over those of the values the loop
+    # reads, in place (`run_in_chunks(..., overwrite=...)`): after the operands'
+    # rows (a maximum's or minimum's and its carrier's, for one with tangents).
+    first = sum(2 if w not in ("gather", "sum") and c else 1 for w, _, c in operands)
+    overwrite = list(range(first, first + num_written))
+    out, relayed = _loop(
+        plan, _chunk_fn, inputs, options, shard, level, spares, relay, overwrite
+    )
     values = list(out.batched)
     values, written = (
         values[: len(values) - num_written],
@@ -332,12 +339,14 @@ def _loop(
     level: int,
     spares: list[Array] | None = None,
     relay: list[int] | None = None,
+    overwrite: list[int] | None = None,
 ) -> tuple[ChunkOutput, list[Array]]:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
     library's loop, reported as loop `level` of the plan's, writing into
-    `spares` where it can; and the mapped leaves at the positions `relay`, as
-    the loop relays them."""
+    `spares` where it can, and the tangents of the outputs at the positions
+    `overwrite` over its inputs'; and the mapped leaves at the positions
+    `relay`, as the loop relays them."""
     positions = _positions(plan, shard)
     batch_size = positions.shape[0]
     inputs = (list(batch[0]), positions)
@@ -353,6 +362,7 @@ def _loop(
         loop=label,
         spares=spares or (),
         relay=relay or (),
+        overwrite=overwrite or (),
     )
 
 
