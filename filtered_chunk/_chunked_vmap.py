@@ -284,13 +284,14 @@ def filter_chunked_vmap(
         `fun` about once, at the cost of the boundaries' buffers (the batch size
         times the values kept per element): evaluated, those of two or three
         passes at once (a pass writes into buffers no later pass reads); under
-        reverse mode, every pass's, as residuals. An int `n` keeps those of every
-        `n`-th pass only (passes `n`, `2n`, ...; `1` is `True`, and an `n` beyond
-        the number of passes keeps none): the passes between recompute from the
-        latest kept values, with fewer buffers. `None` (the default): `False` at a
-        fixed `chunk_size`; with a memory budget, the most boundaries whose
-        program fits the budget (every pass's, else every `n`-th pass's, else the
-        middle pass's), at the size chosen without them or a smaller one
+        reverse mode, every pass's, as residuals (their cotangents share one
+        buffer). An int `n` keeps those of every `n`-th pass only (passes `n`,
+        `2n`, ...; `1` is `True`, and an `n` beyond the number of passes keeps
+        none): the passes between recompute from the latest kept values, with
+        fewer buffers. `None` (the default): `False` at a fixed `chunk_size`; with
+        a memory budget, the most boundaries whose program fits the budget (every
+        pass's, else every `n`-th pass's for a few `n`, else the middle pass's),
+        at the size chosen without them or a smaller one
         ([`filtered_chunk.suggest_chunk_size`][] says which), else `False`. No
         effect without
         collectives across chunks. See

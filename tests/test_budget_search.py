@@ -21,7 +21,13 @@ from hypothesis import given, Phase, settings
 import filtered_chunk as fc
 from filtered_chunk._budget import MemoryBudget
 from filtered_chunk._budget._program import Measured
-from filtered_chunk._budget._search import _search, _Sizes, _too_small, MAX_COMPILATIONS
+from filtered_chunk._budget._search import (
+    _search,
+    _Sizes,
+    _too_small,
+    keep_if_fits,
+    MAX_COMPILATIONS,
+)
 
 from .budgets import (
     check_largest,
@@ -427,3 +433,50 @@ def test_under_grad_a_budget_met_above_one_element_per_chunk(wrt, getkey):
     for name, program in _mlp_losses(mapped(fc.MemoryBudget(budget))).items():
         assert compiled_bytes(program, *args) <= budget, name
         assert tree_allclose(jax.jit(program)(*args), oracle[name](*args)), name
+
+
+def _keep_choice(budget: int) -> Any:
+    # A recomputing program of 8 passes chosen at 1,024 elements a chunk: 4 MiB
+    # that is not per element, 4 KiB an element.
+    k, fixed, element = 1024, 4 * 2**20, 4096
+    return fc.ChunkSizeChoice(
+        chunk_size=k,
+        bytes=fixed + element * k,
+        budget=budget,
+        tried=(),
+        largest=k,
+        model="largest",
+        element_bytes=element,
+        cache_bytes=None,
+        working_set=(),
+    )
+
+
+def _kept_bytes(size: int, every: int) -> int:
+    # Every `every`-th of 8 passes keeps a boundary of 4 MiB; a kept program's
+    # working set is 1 KiB an element, a quarter of the recomputing one's.
+    return 4 * 2**20 + 1024 * size + (8 // every) * 4 * 2**20
+
+
+@pytest.mark.parametrize(
+    "budget_mib, expected",
+    [(40, (1024, True)), (22, (1024, 2)), (17, (1024, 3)), (12.5, (512, 3))],
+)
+def test_keep_if_fits_keeps_most_at_least_work(budget_mib, expected):
+    # Of the `n` that keep as many passes' boundaries, the smallest (every 3rd of
+    # 8 keeps two, as every 4th does, recomputing more); a size too large for
+    # them is cut where the line through the kept program's own bytes meets the
+    # budget (`element_bytes`, the recomputing program's, would cut too little
+    # here and miss), within eight compilations.
+    calls = []
+
+    def measure(size: int, every: int) -> int:
+        calls.append((size, every))
+        return _kept_bytes(size, every)
+
+    budget = int(budget_mib * 2**20)
+    choice = keep_if_fits(_keep_choice(budget), measure, 8, 8192, "overlap")
+    assert (choice.chunk_size, choice.keep_boundaries) == expected
+    every = 1 if choice.keep_boundaries is True else choice.keep_boundaries
+    assert choice.bytes == _kept_bytes(choice.chunk_size, every) <= budget
+    assert len(calls) <= 8 and all(n != 4 for _, n in calls)

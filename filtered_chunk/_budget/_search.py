@@ -31,6 +31,8 @@ from ._values import ChunkSizeChoice, format_bytes, MemoryBudget
 # The sizes a search measures at most (the whole batch, one element, the segments'
 # ends, guesses or probes, the model's size); two programs each under reverse mode.
 MAX_COMPILATIONS = 12
+# At most this many compilations choose which stage boundaries to keep.
+KEEP_COMPILATIONS = 8
 
 
 _MAX_ENTRIES = 256
@@ -304,23 +306,40 @@ def keep_if_fits(
 
     Every pass's; else every `n`-th pass's, for `n` the estimate of where the
     buffers' bytes fit beside the part of `choice`'s bytes that is not per element
-    (were they to fall as `1 / n`) and for `2n`; else only the middle pass's
-    (`n = passes // 2 + 1`, which halves the work of recomputing). Each at the
-    chosen size, or else at the size where the buffers' bytes fit beside the rest
-    (near-affine in the size: `choice.element_bytes` an element), at least
-    `MIN_CHUNK`; else `choice` as it is. At most eight compilations."""
+    (were they to fall as `1 / n`), then for the next `n` that keeps fewer; else
+    only the middle pass's (`n = passes // 2 + 1`, which halves the work of
+    recomputing). Of the `n` that keep as many passes' boundaries (`passes //
+    n`), the smallest, whose passes recompute least: of 8 passes, every 3rd
+    keeps two, as every 4th does. Each at the chosen size, or else at a smaller
+    one (`_fit_beside`), at least `MIN_CHUNK`; else `choice` as it is. At most
+    eight compilations."""
     if passes == 0:
         return choice
+    spent = [0]
+
+    def _measure(size: int, every: int) -> int:
+        spent[0] += 1
+        return measure(size, every)
+
     k = choice.chunk_size
-    kept = measure(k, 1)
+    kept = _measure(k, 1)
     fixed = max(choice.bytes - max(choice.element_bytes, 1) * k, 0)
     extra, room = kept - choice.bytes, max(choice.budget - fixed, 1)
-    first, middle = max(2, math.ceil(extra / room)), passes // 2 + 1
-    tries = [1] + [n for n in (first, 2 * first) if n < middle] + [middle]
+    estimate, middle = max(2, math.ceil(extra / room)), passes // 2 + 1
+    distinct = [n for n in range(2, passes + 1) if passes // n < passes // (n - 1)]
+    at = max([i for i, n in enumerate(distinct) if n <= estimate], default=0)
+    tries = [1] + [n for n in distinct[at : at + 2] if n < middle] + [middle]
     for every in sorted(set(tries)):
-        found = kept if every == 1 else measure(k, every)
-        at = ft.partial(lambda n, size: measure(size, n), every)
-        fit = _fit_beside(choice, found, at, batch_size, remainder)
+        if spent[0] >= KEEP_COMPILATIONS:
+            break
+        found = kept if every == 1 else _measure(k, every)
+        fit = _fit_beside(
+            choice,
+            found,
+            ft.partial(lambda n, size: _measure(size, n), every),
+            _Sizes(batch_size, remainder),
+            lambda: spent[0] < KEEP_COMPILATIONS,
+        )
         if fit is not None:
             size, found = fit
             keep = True if every == 1 else every
@@ -334,23 +353,36 @@ def _fit_beside(
     choice: ChunkSizeChoice,
     found: int,
     measure: Callable[[int], int],
-    batch_size: int,
-    remainder: str,
+    sizes: _Sizes,
+    left: Callable[[], bool],
 ) -> tuple[int, int] | None:
     """`(size, bytes)` of a program that needs `found` bytes at the chosen size
-    where it fits the budget: at that size, or at the size where its bytes beyond
-    `choice`'s fit beside the rest (one compilation more); `None` where it does
-    not."""
-    k = choice.chunk_size
-    if found <= choice.budget:
+    where it fits the budget: at that size; else at the size where its bytes
+    beyond `choice`'s fit beside the rest (near-affine in the size:
+    `choice.element_bytes` an element); else, that size measured, at the size
+    where the line through the two measurements meets the budget (the
+    program's own bytes an element: a pass that recomputes fewer layers has a
+    smaller working set an element than `choice`'s). `None` where it does not,
+    or where a size would fall below `MIN_CHUNK`, or `left()` says no more
+    compilations."""
+    k, budget = choice.chunk_size, choice.budget
+    if found <= budget:
         return k, found
     slope = max(choice.element_bytes, 1)
-    room = choice.budget - (found - choice.bytes) - (choice.bytes - slope * k)
-    smaller = _Sizes(batch_size, remainder).at_most(max(min(room // slope, k), 1))
-    if smaller >= k or smaller < _model.MIN_CHUNK:
-        return None
-    found = measure(smaller)
-    return (smaller, found) if found <= choice.budget else None
+    room = budget - (found - choice.bytes) - (choice.bytes - slope * k)
+    size = sizes.at_most(max(min(room // slope, k), 1))
+    for _ in range(2):
+        if size >= k or size < _model.MIN_CHUNK or not left():
+            return None
+        smaller = measure(size)
+        if smaller <= budget:
+            return size, smaller
+        if smaller >= found:
+            return None
+        slope = (found - smaller) / (k - size)
+        k, found = size, smaller
+        size = sizes.at_most(max(k - math.ceil((found - budget) / slope), 1))
+    return None
 
 
 def _fits(

@@ -275,10 +275,10 @@ class ChunkSizeChoice(eqx.Module):
         counts, an int `n` where every `n`-th pass does, `False` where none
         does. Unless `filter_chunked_vmap(..., keep_boundaries=...)` says, the
         most that fit the budget are kept: every pass's, else every `n`-th
-        pass's for an `n` estimated from their bytes, else only the middle
-        pass's, at the size chosen without them or at the smaller size (at least
-        8) where their bytes fit beside the rest (at most eight compilations
-        more).
+        pass's for an `n` estimated from their bytes or the next `n` that keeps
+        fewer, else only the middle pass's, at the size chosen without them or at
+        a smaller size (at least 8) where their bytes fit beside the rest (at
+        most eight compilations more).
 
     !!! example
 
