@@ -249,3 +249,49 @@ def test_shift_is_not_kept(getkey):
     actual = staged_call(fun, [x], [], K, keep_boundaries=True)
     assert tree_allclose(actual, expected)
     assert np.all(np.abs(np.asarray(actual[0][0]).mean(0)) < 1e-9)
+
+
+@pytest.mark.parametrize("keep", (False, True))
+def test_inside_cond_and_scan(keep, getkey):
+    # The BatchNorm MLP (a pass a BatchNorm) inside `lax.cond` (both branches)
+    # and a `lax.scan` whose carry shifts the next step's inputs: values, the new
+    # state and gradients through both, under `jit`.
+    model, state = eqx.nn.make_with_state(_Net)(2, 5, getkey())
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    x = 20.0 + jr.normal(getkey(), (7, 3))
+    options = dict(chunk_size=3, keep_boundaries=keep)
+
+    def program(wrap):
+        def _loss(_params, c):
+            call = wrap(eqx.combine(_params, static))
+            out, new_state = lax.cond(
+                c > 0, lambda: call(x, state), lambda: call(2 * x, state)
+            )
+
+            def _step(carry, scale):
+                y, _ = call(x * scale + carry, state)
+                return carry + y.mean(), y
+
+            _, ys = lax.scan(_step, 0.0, jnp.array([1.0, 0.5]))
+            return jnp.sum(out**2) + jnp.sum(jnp.sin(ys)), (out, new_state, ys)
+
+        return jax.jit(jax.value_and_grad(_loss, has_aux=True))
+
+    chunked = program(lambda m: fc.filter_chunked_vmap(m, **options, **_KWARGS))
+    oracle = program(lambda m: eqx.filter_vmap(m, **_KWARGS))
+    for c in (1.0, -1.0):
+        assert tree_allclose(chunked(params, c), oracle(params, c))
+
+
+def test_weakly_typed_input():
+    # JAX converts a weakly typed `y` to a strong one where it meets the strong
+    # result of a `psum` (`y - m`): the deviations are of the same values, and
+    # the variance takes its mean's pass.
+    def fun(m, u):
+        (x,), _ = m, u
+        return [lax.pmean((x - lax.pmean(x, "i")) ** 2, "i") * x], []
+
+    x = lax.full((2 * K + 1,), 30.5).at[::3].set(32.0)
+    assert jax.typeof(x).weak_type
+    assert num_passes(fun, [x], [], K) == 1
+    assert tree_allclose(staged_call(fun, [x], [], K), vmap_call(fun, [x], []))

@@ -23,6 +23,8 @@ _FUNS = {
     "axis_index": lambda x: x * lax.axis_index("i").astype(x.dtype),
     "axis_size": lambda x: x * lax.axis_size("i"),
     "constant": lambda x: (x, lax.psum(2.0, "i")),
+    # A variance about the mean, summed in the mean's pass about a shift.
+    "variance": lambda x: lax.pmean((x - lax.pmean(x, "i")) ** 2, "i") * x,
 }
 _INPUTS = {
     "weak": lambda: lax.full((N,), 0.5).at[::3].set(2.0),

@@ -28,8 +28,10 @@ size` times the variance (the sample's own deviations bound it)
 textbook one-pass formula loses every digit, and a sorted batch).
 
 [`find_moments`][] recognises the pattern in the staged program's jaxpr,
-equation by equation; anything else (another reduction, a cast between, a sum
-over other axes) is left to its own pass, as before.
+equation by equation, seeing through a conversion that only drops a weak type
+(JAX's, where a weakly typed `y` meets the strong result of a `psum`); anything
+else (another reduction, a cast to another dtype between, a sum over other
+axes) is left to its own pass, as before.
 """
 
 import dataclasses
@@ -102,6 +104,17 @@ class _Matcher:
         eqn = self.eqns[self.made_by[v]]
         return eqn if eqn.primitive.name == name else None
 
+    def source(self, v: Any) -> Any:
+        """`v`, or what it converts to its own dtype (a weak type dropped, as JAX
+        does where a weakly typed value meets the strong result of a `psum`):
+        the same values."""
+        while (eqn := self.producer(v, "convert_element_type")) is not None:
+            (x,) = eqn.invars
+            if isinstance(x, jex.Literal) or x.aval.dtype != v.aval.dtype:
+                break
+            v = x
+        return v
+
     def mean_over(self, v: Any) -> tuple[Any, tuple[int, ...], float] | None:
         """`v` as `reduce_sum(x, J) / s`, the sum or the division left out where
         the jaxpr has none (`J = ()`, `s = 1`): `(x, J, s)`."""
@@ -160,7 +173,7 @@ class _Matcher:
         if None in factors:
             return None
         (y1, m1, c1), (y2, m2, c2) = factors  # pyright: ignore[reportGeneralTypeIssues]
-        if y1 is not y2 or m1 is not m2:
+        if self.source(y1) is not self.source(y2) or m1 is not m2:
             return None
         return y1, m1, (c1, c2)
 
@@ -189,7 +202,9 @@ class _Matcher:
             return None
         inner = self.mean_over(mean.invars[0])
         size = math.prod(y.aval.shape[d] for d in axes)
-        if inner is None or inner[0] is not y or inner[1:] != (axes, size):
+        if inner is None or inner[1:] != (axes, size):
+            return None
+        if self.source(inner[0]) is not self.source(y):
             return None
         if len({y.aval.dtype, m.aval.dtype, operand.aval.dtype}) != 1:
             return None
