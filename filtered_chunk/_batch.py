@@ -22,6 +22,7 @@ from ._staged import (
     StagedVmap,
     WHOLE,
 )
+from ._staged._cost import plan_cost
 from ._wrapper import ChunkOptions, kept_every
 
 
@@ -65,17 +66,22 @@ def _schedule(
     )
 
 
-def count_passes(
+def staged_cost(
     batch: Batch,
     chunk_size: int,
     options: ChunkOptions,
     sharding: BatchSharding | None = None,
-) -> int:
+) -> tuple[int, int, float]:
     """The passes over the batch that staged collectives take before the final
-    loop at `chunk_size`; 0 if the batch is not staged."""
+    loop at `chunk_size` with `options.keep_boundaries`, the bytes of the values
+    they keep for the whole batch, and the estimated work of the loops against
+    evaluating `fun` once for each element (`_staged/_cost.py`); `(0, 0, 1.0)`
+    if the batch is not staged."""
     if _schedule(batch, chunk_size, options, sharding) != STAGED:
-        return 0
-    return _plan(batch, options).plan.num_passes
+        return 0, 0, 1.0
+    plan = _plan(batch, options).plan
+    kept, work = plan_cost(plan, chunk_size)
+    return plan.num_passes, kept * batch.size, work
 
 
 def run_batch(

@@ -23,7 +23,7 @@ from ._axes import (
     run_tagged,
     varying_unmapped,
 )
-from ._batch import Batch, count_passes, run_batch
+from ._batch import Batch, run_batch, staged_cost
 from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
@@ -105,13 +105,13 @@ class _VmapPlan(AbstractMappedPlan):
             return with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
-    def passes(
+    def staged(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int
-    ) -> int:
+    ) -> tuple[int, int, float]:
         if bound.batch_size is None:
-            return 0
+            return 0, 0, 1.0
         batch = self._batch(fun, options, bound)
-        return count_passes(batch, chunk_size, options, bound.sharding)
+        return staged_cost(batch, chunk_size, options, bound.sharding)
 
     def _batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
         assert bound.batch_size is not None

@@ -96,13 +96,15 @@ class AbstractPlan(eqx.Module):
     ) -> Any:
         """The call's output at a fixed `chunk_size`, traced or not."""
 
-    def passes(
+    def staged(
         self, fun: Fun, options: ChunkOptions, bound: Bound, chunk_size: int
-    ) -> int:
+    ) -> tuple[int, int, float]:
         """The passes over the batch that staged collectives take before the final
-        loop at `chunk_size`; 0 if the call is not staged."""
+        loop at `chunk_size` with `options.keep_boundaries`, the bytes of the
+        values they keep, and the estimated work of the loops against `fun`
+        once for each element; `(0, 0, 1.0)` if the call is not staged."""
         del fun, options, bound, chunk_size
-        return 0
+        return 0, 0, 1.0
 
 
 class Chunked(eqx.Module):
@@ -155,17 +157,23 @@ class Chunked(eqx.Module):
                 # (a chunk's working set in cache) does not see.
                 whole = dict(choice.tried)[size]
                 return dataclasses.replace(choice, chunk_size=size, bytes=whole)
-            if keep is not None:
-                return choice
+            if keep is None:
+                # Staged collectives keep their boundaries where that fits: no
+                # pass then recomputes an earlier one's work.
+                def _measure(k: int, every: int) -> int:
+                    kept = (self._keeping(True if every == 1 else every), bound.tree)
+                    return measure_bytes(_run, kept, k, choice.budget)
 
-            # Staged collectives keep their boundaries where that fits: no pass
-            # then recomputes an earlier one's work.
-            def _measure(k: int, every: int) -> int:
-                kept = (self._keeping(True if every == 1 else every), bound.tree)
-                return measure_bytes(_run, kept, k, choice.budget)
-
-            passes = self._plan.passes(self._fun, o, bound, choice.chunk_size)
-            return keep_if_fits(choice, _measure, passes, size, o.remainder)
+                passes, _, _ = self._plan.staged(self._fun, o, bound, choice.chunk_size)
+                choice = keep_if_fits(choice, _measure, passes, size, o.remainder)
+            # What the call runs with: its passes, the bytes it keeps, its work.
+            kept = dataclasses.replace(o, keep_boundaries=choice.keep_boundaries)
+            passes, kept_bytes, work = self._plan.staged(
+                self._fun, kept, bound, choice.chunk_size
+            )
+            return dataclasses.replace(
+                choice, passes=passes, boundary_bytes=kept_bytes, work=work
+            )
 
         return choose_chunk_size(
             _run,

@@ -262,6 +262,18 @@ def test_budget_keeps_boundaries_that_fit(getkey):
     jaxpr = jax.make_jaxpr(_budgeted(budget))(x, weights).jaxpr
     assert _count(jaxpr, "dot_general") == 6 + 6
     assert tree_allclose(_budgeted(budget)(x, weights), oracle(x, weights))
+    # What the choice reports: a pass a block, each keeping its block's output
+    # (6 values an element, as `x`), and the work of `_wide` once, with the
+    # shifts' samples (a chunk each, at most) besides.
+    assert choice.passes == 3
+    assert choice.boundary_bytes == 3 * x.size * x.dtype.itemsize
+    assert 1.0 < choice.work < 1.0 + 2 * choice.chunk_size / 256
+    # Recomputing, the passes evaluate blocks 1, 1-2 and 1-3, the final loop 1-3.
+    recomputing = fc.suggest_chunk_size(
+        _budgeted(budget, keep_boundaries=False), x, weights
+    )
+    assert (recomputing.passes, recomputing.boundary_bytes) == (3, 0)
+    assert recomputing.work > 2.5
 
 
 def test_budget_too_small_for_every_pass_keeps_fewer(getkey):
@@ -300,6 +312,7 @@ def test_budget_runs_a_batch_that_fits_whole(getkey):
     choice = fc.suggest_chunk_size(_budgeted(budget), x, weights)
     assert choice.chunk_size == 256 and choice.bytes <= budget
     assert not choice.keep_boundaries
+    assert (choice.passes, choice.boundary_bytes, choice.work) == (0, 0, 1.0)
 
 
 def test_kept_memory_does_not_grow_with_depth(getkey):
