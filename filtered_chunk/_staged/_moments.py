@@ -8,24 +8,27 @@ the batch, then the mean of the squared deviations from it:
 
 As written, the variance's collective depends on the mean's, so it takes a pass of
 its own (`_plan.py`), and each pass recomputes what it needs of `fun`. But for any
-`K` of the mean's shape, summing over the batch's `N` elements and the `|J|`
-reduced positions of each,
+`K` of the mean's shape and any `m`, summing over the batch's `N` elements and the
+`|J|` reduced positions of each, with `u` the mean of `y - K`,
 
-    sum((y - K)(y - K)') = sum((y - m)(y - m)') + N |J| (m - K)(m - K)'
+    sum(pair(y - m)) = [sum(pair(y - K)) - N |J| pair(u)] + N |J| pair(m - K - u)
 
-(`'` the same conjugation or none), because `sum(y - m) = 0` when `m` is the mean
-of those same values: the cross terms vanish. So the pass that sums the mean's
-operand can also sum the variance's operand about a shift `K` known before it, and
-the variance's result is that sum less the correction: one pass where there were
-two, exact in real arithmetic and in every derivative (the identity holds for
-every `y`, and `K` is a constant). In floating point the shifted sum is the
-"shifted data" algorithm: its rounding error grows with `N |J| |m - K|^2`
-against the variance. `K` is the mean of a sample of the batch (`_run.py`: 256
-elements, or a chunk, at an even stride), so that term is about the
-variance over the sample's size for a batch of any order, and at worst `N /
-size` times the variance (the sample's own deviations bound it)
+(`pair(a) = a a'`, `'` the same conjugation or none): the cross terms of the
+bracket vanish because `u` is the mean of `y - K`. So the pass that sums the
+mean's operand can sum it about a shift `K` known before it (the mean is then
+`N K` plus that sum), and the variance's operand about `K` too: one pass where
+there were two, exact in real arithmetic and in every derivative (the identity
+holds for every `y` and `m`, and `K` is a constant). In floating point the
+bracket is the "shifted data" algorithm, with `u` summed from terms as small as
+the spread: its rounding grows with `1 + |u|^2 / variance`; the last term is
+the rounding of `m` squared, as the written form has it (`Moment.correct`). `K`
+is the mean of a sample of the batch (`_run.py`: 256 elements, or a chunk, at
+an even stride), so `|u|^2` is about the variance over the sample's size for a
+batch of any order, and at worst `N / size` times the variance (the sample's
+own deviations bound it). Where each pair is a square, a bracket that rounding
+made negative is zero, as the written form is never negative
 (`tests/test_collectives_moments.py` checks data far from zero, where the
-textbook one-pass formula loses every digit, and a sorted batch).
+textbook one-pass formula loses every digit, constant and sorted batches).
 
 [`find_moments`][] recognises the pattern in the staged program's jaxpr,
 equation by equation, seeing through a conversion that only drops a weak type
@@ -60,14 +63,43 @@ class Moment:
     m_eqn: int  # the equation that computes it from the mean's `psum`
     conj: tuple[bool, bool]  # which factor of the pair is conjugated
     # The variance's operand is `coef` times the mean over `J` of the pairs, so
-    # the correction is `coef * N * pair(m - K)`.
+    # its sum over the batch's `N` elements is corrected by `coef * N` pairs.
     coef: float
 
-    def correct(self, summed: Array, m: Array, shift: Array, batch_size: int) -> Array:
-        """The variance's `psum` from its operand's sum about `shift`."""
-        d = m - shift
-        first, second = (jnp.conj(d) if c else d for c in self.conj)
-        return summed - (self.coef * batch_size) * (first * second)
+    def _pair(self, x: Array) -> Array:
+        first, second = (jnp.conj(x) if c else x for c in self.conj)
+        return first * second
+
+    def correct(
+        self, summed: Array, offset: Array, m: Array, shift: Array, batch_size: int
+    ) -> Array:
+        """The variance's `psum` from its operand's sum about `shift` (`summed`)
+        and the sum over the batch of the mean's operand less `shift` (`offset`).
+
+        With `u = offset / N` (the batch's mean about the shift, from terms as
+        small as the spread) and `d = m - shift`, exactly for every `m`,
+
+            sum(pair(y - m)) = [sum(pair(y - K)) - N |J| pair(u)]
+                               + N |J| pair(d - u):
+
+        the bracket is the spread about the batch's mean, the last term the
+        rounding of `m` squared, as the written form has it. Correcting by
+        `N |J| pair(d)` alone (the identity where `m` is exact) made the error
+        first order in `m`'s rounding, and could make a variance negative.
+        """
+        scale = self.coef * batch_size
+        u = offset / batch_size
+        spread = summed - scale * self._pair(u)
+        if self.squares:  # a sum of squares (its sign `coef`'s) is never negative
+            wrong = spread.real < 0 if self.coef > 0 else spread.real > 0
+            spread = jnp.where(wrong, jnp.zeros_like(spread), spread)
+        return spread + scale * self._pair(m - shift - u)
+
+    @property
+    def squares(self) -> bool:
+        """Whether each pair is a square: real, or a value times its conjugate."""
+        complex_ = jnp.issubdtype(self.m.aval.dtype, jnp.complexfloating)
+        return self.conj[0] != self.conj[1] or not complex_
 
 
 def _is_literal(v: Any, value: int) -> bool:

@@ -197,13 +197,18 @@ def _pass(
         shifts = _shifts(plan, level, fixed, results, probe, options.chunk_size, shard)
     element = _element_fn(plan, level, fixed, results, shifts)
     num_written = len(plan.writes[level])
+    # The operand of the mean of each variance summed about a shift is summed
+    # about that shift too (`Moment.correct`, `_results`).
+    about = {j: shifts[m] for j, m in _shifted_means(plan, level).items()}
 
     def _chunk_fn(_inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
         rows = jax.vmap(element, in_axes=(inputs[1], 0))(*_inputs)
         rows, written = rows[: len(rows) - num_written], rows[len(rows) - num_written :]
         leaves, kinds = [], []
-        for (which, _, carried), x in zip(operands, rows, strict=True):
+        for j, ((which, _, carried), x) in enumerate(zip(operands, rows, strict=True)):
+            if j in about:
+                x = strong(x) - strong(about[j])[None]
             if which == "gather":
                 leaves.append(x)
                 kinds.append(None)
@@ -251,6 +256,18 @@ def _pass(
     reads = plan.reads[level]
     kept |= {reads[i - len(batch[0])]: x for i, x in zip(relay, relayed, strict=True)}
     return _results(plan, level, acc, gathered, shifts), kept
+
+
+def _shifted_means(plan: Plan, level: int) -> dict[int, Any]:
+    """The position among the level's operands of the mean of each variance that
+    the level's pass computes beside it, and the mean's variable (which keys its
+    shift)."""
+    eqns = plan.program.jaxpr.eqns
+    starts, position = {}, 0
+    for i in plan.at_level(level):
+        starts[i] = position
+        position += len(eqns[i].invars)
+    return {starts[moment.mean]: moment.m for moment in plan.moments.get(level, [])}
 
 
 def _positions(plan: Plan, shard: BatchSharding | None) -> Array:
@@ -377,17 +394,27 @@ def _results(
     eqns = program.jaxpr.eqns
     accs, rows = iter(acc), iter(gathered)
     moments = {moment.variance: moment for moment in plan.moments.get(level, [])}
+    means = {moment.mean: moment.m for moment in plan.moments.get(level, [])}
+    # The sums of the means' operands about the shifts, by the mean's `psum`.
+    about: dict[int, Array] = {}
     out = {}
     for i in plan.at_level(level):
         eqn = eqns[i]
         parts = [
             next(rows) if kind(eqn) == "gather" else next(accs) for _ in eqn.invars
         ]
+        n = program.batch_size
+        if i in means:  # summed about a shift, which adds back in the end
+            about[i] = parts[0]
+            shift = strong(shifts[means[i]])
+            parts = [typed(parts[0] + n * shift, eqn.invars[0].aval)]
         if i in moments:  # summed about a shift: its mean's result corrects it
             moment = moments[i]
             m_eqn = eqns[moment.m_eqn]
             (m,) = bind(m_eqn, [out[moment.mean][0], m_eqn.invars[1].val])
-            summed = moment.correct(parts[0], m, shifts[moment.m], program.batch_size)
+            shift = strong(shifts[moment.m])
+            offset = about[moment.mean]
+            summed = moment.correct(parts[0], offset, strong(m), shift, n)
             parts = [typed(summed, eqn.invars[0].aval)]
         out[i] = finish(eqn, parts, program.axis_name, program.batch_size)
     return out
