@@ -100,6 +100,22 @@ def test_each_collective_and_its_gradient(collective, chunk_size, getkey):
     assert tree_allclose(jax.grad(loss(staged))(x), expected_grad)
 
 
+@pytest.mark.parametrize("chunk_size", (1, 2, 3))
+def test_collective_of_a_constant_inside_grad(chunk_size):
+    # JAX's `testPpermuteBatcherTrivial` (jax#8688): the gradient's transpose
+    # permutes a constant cotangent, a literal operand of the collective.
+    perm = [[0, 1], [1, 0]]
+    fun = jax.grad(lambda v: lax.ppermute(v, "i", perm=perm))
+    x = jnp.array([1.0, 2.0])
+    expected = jax.vmap(fun, axis_name="i")(x)
+    chunked = fc.filter_chunked_vmap(fun, axis_name="i", chunk_size=chunk_size)
+    assert tree_allclose(chunked(x), expected)
+    summed = lambda v: lax.psum(v, "i") * 2.0  # a `psum` of a literal likewise
+    fun = jax.grad(lambda v: summed(v) + lax.ppermute(v, "i", perm=perm))
+    chunked = fc.filter_chunked_vmap(fun, axis_name="i", chunk_size=chunk_size)
+    assert tree_allclose(chunked(x), jax.vmap(fun, axis_name="i")(x))
+
+
 @pytest.mark.parametrize("collective", ("pmax", "pmin"))
 @pytest.mark.parametrize("chunk_size", (1, 2))
 def test_pmax_pmin_values_and_no_derivative(collective, chunk_size, getkey):
@@ -301,7 +317,10 @@ def test_chunk_at_least_batch_is_one_vmap(getkey):
         assert tree_allclose(actual, vmap_call(_all_collectives, [x], [jnp.array(1.0)]))
 
 
-_OPS = ("psum", "pmean", "pmax", "pmin", "gather", "shift", "index", "sin", "times_x")
+_OPS = (
+    *("psum", "pmean", "pmax", "pmin", "gather", "shift", "index", "sin", "times_x"),
+    "std",  # a variance about the batch's mean, in its mean's pass
+)
 
 
 def _compose(ops):
@@ -322,6 +341,9 @@ def _compose(ops):
                 y = y * x
             elif op == "pmean":
                 y = y - lax.pmean(y, "i")
+            elif op == "std":
+                mean = lax.pmean(y, "i")
+                y = y + jnp.sqrt(lax.pmean((y - mean) ** 2, "i"))
             else:
                 y = y + getattr(lax, op)(y, "i") * 0.5
         return [y], []
@@ -337,7 +359,9 @@ def _cases(draw):
     remainder = draw(st.sampled_from(REMAINDERS))
     keep = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    x = rng.standard_normal((batch_size, 2))
+    # Data far from zero too, where a variance's rounding shows.
+    offset = draw(st.sampled_from((0.0, 1e3)))
+    x = offset + rng.standard_normal((batch_size, 2))
     return tuple(ops), chunk_size, remainder, keep, x
 
 

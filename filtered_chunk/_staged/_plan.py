@@ -60,6 +60,11 @@ class Plan:
     # shift (`_moments.py`); the stage `(SHIFT, level)` computes the shifts.
     moments: dict[int, list[Moment]] = dataclasses.field(default_factory=dict)
 
+    def has_derivative(self, v: Any) -> bool:
+        """Whether the variable or literal `v` has a derivative (a literal, such
+        as a constant cotangent under `jax.grad`, has none)."""
+        return _is_var(v) and v in self.differentiable
+
     def at_level(self, level: int) -> list[int]:
         return [i for i, lv in self.levels.items() if lv == level]
 

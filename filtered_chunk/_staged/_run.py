@@ -28,7 +28,7 @@ from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
 from .._loop import run_in_chunks
 from .._sharding import across, BatchSharding
-from .._structs import inexact, typed
+from .._structs import typed
 from .._summed import as_sums, merge_varying, split_varying
 from ._analysis import axis_names
 from ._passes import finish, kind, read, strong, unstaged
@@ -185,7 +185,7 @@ def _pass(
     # The accumulator kind and the aval of each operand of the level, and whether
     # a maximum's or minimum's rows have tangents to carry.
     operands = [
-        (kind(eqns[i]), v.aval, inexact(v.aval) and v in plan.differentiable)
+        (kind(eqns[i]), v.aval, plan.has_derivative(v))
         for i in plan.at_level(level)
         for v in eqns[i].invars
     ]
