@@ -4,7 +4,7 @@ with `jax.vmap` and moves the outputs to their out axes."""
 
 import functools as ft
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, overload, Unpack
+from typing import Any, ClassVar, overload, SupportsIndex, Unpack
 
 import equinox as eqx
 import jax
@@ -200,7 +200,7 @@ class _VmapOptions(BuilderOptions, total=False):
     axis_size: int | None
     spmd_axis_name: SpmdAxisName
     sum_match: bool
-    keep_boundaries: bool | int | None
+    keep_boundaries: bool | np.bool_ | SupportsIndex | None
 
 
 @overload
@@ -222,7 +222,7 @@ def filter_chunked_vmap(
     spmd_axis_name: SpmdAxisName = None,
     progress_meter: AbstractProgressMeter | None = None,
     sum_match: bool = False,
-    keep_boundaries: bool | int | None = None,
+    keep_boundaries: Any = None,  # checked: a bool, an integer or `None`
 ) -> Callable[..., Any]:
     """Vectorises `fun` like [`equinox.filter_vmap`][eqx-filter-vmap], but evaluates
     the batch `chunk_size` elements at a time to bound peak memory.
@@ -280,7 +280,7 @@ def filter_chunked_vmap(
         boundary), so that no part of `fun` is computed twice. `False` recomputes,
         in each pass, the part of `fun` before its collectives: the least memory,
         and a time that grows with the square of the number of collectives that
-        depend on each other (a BatchNorm network has two per layer). `True` runs
+        depend on each other (a BatchNorm network has one per layer). `True` runs
         `fun` about once, at the cost of the boundaries' buffers (the batch size
         times the values kept per element): evaluated, those of two or three
         passes at once (a pass writes into buffers no later pass reads); under

@@ -10,10 +10,12 @@ how its arguments bind, its chunk function and how its outputs are finished.
 import abc
 import contextlib
 import dataclasses
+import operator
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
+import numpy as np
 from jaxtyping import PyTree
 
 from ._axes import batch_size_of, bind_arguments, check_spec, normalise_in_axes
@@ -49,8 +51,9 @@ class ChunkOptions(eqx.Module):
     axis_name: Hashable | None = None
     spmd_axis_name: SpmdAxisName = None
     # Whether staged collectives keep their stage boundaries, or every how many
-    # passes (`None`: not at a fixed chunk size; a budget decides).
-    keep_boundaries: bool | int | None = None
+    # passes (`None`: not at a fixed chunk size; a budget decides); as given,
+    # `bool | int | None` once checked by `wrap`.
+    keep_boundaries: Any = None
 
 
 def kept_every(keep: bool | int | None) -> int:
@@ -234,14 +237,26 @@ def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> Callable[..., A
     plan.check(options.api)
     check_spmd_axis_name(options.spmd_axis_name, options.api)
     check_meter(options.progress_meter, options.api)
-    keep = options.keep_boundaries
-    if not isinstance(keep, bool | None) and keep < 1:
-        raise ValueError(
-            f"`{options.api}(..., keep_boundaries=...)` must be a bool, or a positive "
-            f"int (keep the boundaries of every that many passes), got {keep!r}."
-        )
-    options = dataclasses.replace(options, chunk_size=chunk_size)
+    keep = _normalise_keep(options.keep_boundaries, options.api)
+    options = dataclasses.replace(options, chunk_size=chunk_size, keep_boundaries=keep)
     return eqx.module_update_wrapper(Chunked(fun, plan, options))
+
+
+def _normalise_keep(keep: Any, api: str) -> bool | int | None:
+    """`keep_boundaries` as a Python `bool`, `int` or `None`: any integer type,
+    as `chunk_size` (`np.int64(2)`, `np.bool_(True)`), or the error for a bad one."""
+    expected = (
+        f"`{api}(..., keep_boundaries=...)` must be `None`, a bool, or a positive "
+        "integer (keep the boundaries of every that many passes), got"
+    )
+    if keep is None or isinstance(keep, bool | np.bool_):
+        return None if keep is None else bool(keep)
+    if getattr(type(keep), "__index__", None) is None:
+        raise TypeError(f"{expected} {type(keep).__name__} object {keep!r}.")
+    every = operator.index(keep)
+    if every < 1:
+        raise ValueError(f"{expected} {keep!r}.")
+    return every
 
 
 class AbstractMappedPlan(AbstractPlan):

@@ -7,6 +7,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -146,11 +147,28 @@ def test_types_through_buffers(getkey):
 
 
 def test_keep_boundaries_must_be_a_bool_or_a_positive_int():
-    with pytest.raises(TypeError, match="keep_boundaries"):
-        fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries="yes")  # pyright: ignore[reportArgumentType]
-    for every in (0, -2):
-        with pytest.raises(ValueError, match="keep_boundaries.*positive int.*got"):
+    for wrong in ("yes", 2.0, np.float32(1.0)):
+        with pytest.raises(TypeError, match="keep_boundaries.*got"):
+            fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries=wrong)  # pyright: ignore[reportArgumentType]
+    for every in (0, -2, np.int64(0)):
+        with pytest.raises(ValueError, match="keep_boundaries.*positive integer.*got"):
             fc.filter_chunked_vmap(jnp.sin, chunk_size=2, keep_boundaries=every)
+
+
+@pytest.mark.parametrize(
+    "keep, same", [(np.int64(2), 2), (np.int32(1), True), (np.bool_(True), True)]
+)
+def test_keep_boundaries_takes_numpy_integers(keep, same, getkey):
+    # Any integer type, as `chunk_size` takes: the same program as the Python
+    # value's (the same layers run), with `eqx.filter_vmap`'s values.
+    x, w = jr.normal(getkey(), (7, 3)), jnp.array([0.5, 1.0, 2.0])
+    kwargs: dict = dict(in_axes=(0, None), out_axes=(0, None), axis_name="i")
+    call = lambda k: fc.filter_chunked_vmap(
+        _dependent, chunk_size=3, keep_boundaries=k, **kwargs
+    )
+    jaxpr = lambda k: str(jax.make_jaxpr(call(k))(x, w))
+    assert jaxpr(keep) == jaxpr(same)
+    assert tree_allclose(call(keep)(x, w), eqx.filter_vmap(_dependent, **kwargs)(x, w))
 
 
 @pytest.mark.parametrize(
