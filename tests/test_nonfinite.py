@@ -196,3 +196,61 @@ def test_infinite_derivative_through_collectives(remainder, sizes):
     expected = grad(oracle)
     assert jnp.any(jnp.isinf(expected))
     assert _same(grad(chunked), expected)
+
+
+def _read_twice(x, c):
+    # `h` reaches the output directly and through `pmean(h)`: the derivative of
+    # `sqrt` at 0 meets the sum of both cotangents under `jax.vmap`.
+    h = jnp.sqrt(x)
+    return (h - jax.lax.pmean(h, "i")) * c
+
+
+def _read_twice_case(keep: Any, chunk_size: int, remainder: str) -> Any:
+    x = jnp.array([0.0, 1.0, 2.0, 3.0, 4.0, 0.5, 1.5])
+    c = jnp.linspace(1.0, 2.0, 7)
+    chunked = fc.filter_chunked_vmap(
+        _read_twice,
+        axis_name="i",
+        chunk_size=chunk_size,
+        remainder=remainder,
+        keep_boundaries=keep,
+    )
+    oracle = eqx.filter_vmap(_read_twice, axis_name="i")
+    loss = lambda f: lambda _x: jnp.sum(f(_x, c))
+    return x, loss(chunked), loss(oracle)
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size", (3, 4, 7))
+def test_infinite_derivative_of_a_kept_boundary(remainder, chunk_size):
+    # Kept, `h`'s cotangents from the pass and the final loop add in its buffer
+    # before `sqrt`'s derivative: `-inf`, as `jax.vmap` gives; so does one
+    # chunk (7) under `jax.hessian`.
+    x, chunked, oracle = _read_twice_case(True, chunk_size, remainder)
+    assert jnp.isneginf(jax.grad(oracle)(x)[0])
+    assert _same(jax.grad(chunked)(x), jax.grad(oracle)(x))
+    if chunk_size == 7:
+        assert _same(jax.hessian(chunked)(x), jax.hessian(oracle)(x))
+
+
+# Known wrong answers (issue 44, items 3 and 4), strict: a fix makes them pass,
+# and then the marker goes.
+@pytest.mark.xfail(
+    strict=True,
+    reason="recomputed, each loop's cotangent of `h` passes `sqrt`'s derivative "
+    "apart: inf - inf (issue 44, item 4)",
+)
+@pytest.mark.parametrize("keep", (False, 5))
+def test_infinite_derivative_of_a_recomputed_boundary(keep):
+    x, chunked, oracle = _read_twice_case(keep, 3, "overlap")
+    assert _same(jax.grad(chunked)(x), jax.grad(oracle)(x))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="forward over reverse, the cotangent of `h` written over in place has "
+    "a zero tangent, not none: 0 * inf (issue 44, item 3)",
+)
+def test_hessian_through_a_kept_boundary_written_over():
+    x, chunked, oracle = _read_twice_case(True, 3, "overlap")
+    assert _same(jax.hessian(chunked)(x)[0, 0], jax.hessian(oracle)(x)[0, 0])
