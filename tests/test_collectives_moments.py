@@ -310,7 +310,7 @@ def test_variance_of_a_constant_batch_is_not_negative(dtype, value):
     # once gave -1.4e-16 here); it is rounding alone, as `jax.vmap`'s.
     std = lambda x: jnp.sqrt(_var(x))
     eps = float(jnp.finfo(dtype).eps)
-    for batch_size, chunk_size in ((10, 3), (13, 1), (13, 7), (100, 7)):
+    for batch_size, chunk_size in ((10, 3), (13, 1), (100, 7)):
         x = jnp.full((batch_size,), value, dtype)
         out = fc.filter_chunked_vmap(std, axis_name="i", chunk_size=chunk_size)(x)
         assert out.dtype == dtype and bool(jnp.all(jnp.isfinite(out)))
@@ -319,7 +319,7 @@ def test_variance_of_a_constant_batch_is_not_negative(dtype, value):
 
 
 @pytest.mark.parametrize("dtype, offset", ((jnp.float32, 1e4), (jnp.float64, 1e8)))
-@pytest.mark.parametrize("chunk_size", (1, 2, 7, 256, 1000))
+@pytest.mark.parametrize("chunk_size", (1, 7, 256))
 def test_variance_far_from_zero(dtype, offset, chunk_size):
     # A small spread far from zero, in random order: the variance's error against
     # float64 is `jax.vmap`'s, plus that of adding the chunks' partial sums one
