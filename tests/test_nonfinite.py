@@ -205,7 +205,7 @@ def _read_twice(x, c):
     return (h - jax.lax.pmean(h, "i")) * c
 
 
-def _read_twice_case(keep: Any, chunk_size: int, remainder: str) -> Any:
+def _read_twice_case(keep: Any, chunk_size: int, remainder: Any) -> Any:
     x = jnp.array([0.0, 1.0, 2.0, 3.0, 4.0, 0.5, 1.5])
     c = jnp.linspace(1.0, 2.0, 7)
     chunked = fc.filter_chunked_vmap(
