@@ -277,11 +277,12 @@ def filter_chunked_apply(
         `ValueError` names any output that breaks this, or whose `out_axes` axis
         does not hold the chunk's elements at both. Defaults to
         `equinox.if_array(0)`.
-    - `chunk_size`: keyword-only. The number of batch elements per call of `fun`.
-        `None` (the default), or any value at least the batch size, calls `fun`
-        once on the whole batch. Or a memory budget, `"auto"` or a
-        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
-        program fits it is chosen, as for `filter_chunked_vmap`.
+    - `chunk_size`: keyword-only. The number of batch elements per call of `fun`. `None`
+        (the default), or any value at least the batch size, calls `fun` once on the
+        whole batch. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: a chunk size whose compiled program fits it
+        is chosen: on CPU the fastest of a few that fit, timed once on your machine;
+        elsewhere the largest, as for `filter_chunked_vmap`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) runs `ceil(batch_size / chunk_size)` even chunks of at most
         `chunk_size` elements, the last overlapping the one before, in one loop;

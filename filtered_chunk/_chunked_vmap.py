@@ -245,15 +245,16 @@ def filter_chunked_vmap(
     - `out_axes`: keyword-only. As for `equinox.filter_vmap`: where the mapped axis
         appears in each output. An array output marked `None` must not vary over
         the batch; it is returned once. Defaults to `equinox.if_array(0)`.
-    - `chunk_size`: keyword-only. The number of batch elements evaluated together,
-        of any integer type (`numpy.int64`, a JAX integer scalar). `None` (the
-        default), or any value at least the batch size, evaluates the whole batch
-        in one `vmap`, exactly as `equinox.filter_vmap`. With the batch split over
-        devices (see `spmd_axis_name`), it counts elements per device: each device
-        chunks its own `batch_size / num_devices` elements. Or a memory budget,
-        `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the largest chunk size
-        whose compiled program fits it is chosen when the transform is first
-        called with given shapes (see [choosing `chunk_size`][choosing-chunk_size]).
+    - `chunk_size`: keyword-only. The number of batch elements evaluated together, of
+        any integer type (`numpy.int64`, a JAX integer scalar). `None` (the default), or
+        any value at least the batch size, evaluates the whole batch in one `vmap`,
+        exactly as `equinox.filter_vmap`. With the batch split over devices (see
+        `spmd_axis_name`), it counts elements per device: each device chunks its own
+        `batch_size / num_devices` elements. Or a memory budget, `"auto"` or a
+        [`filtered_chunk.MemoryBudget`][]: when the transform is first called with
+        given shapes, a chunk size whose compiled program fits it is chosen: on CPU
+        the fastest of a few that fit, timed once on your machine; elsewhere the
+        largest (see [choosing `chunk_size`][choosing-chunk_size]).
     - `axis_name`: keyword-only. A name for the mapped axis, for collectives such as
         `jax.lax.psum`, computed over the whole batch as by `equinox.filter_vmap`
         however it is split: across chunks, `fun` is evaluated in passes over the batch,

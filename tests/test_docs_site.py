@@ -221,3 +221,11 @@ def test_docs_state_the_current_version():
         assert citation, f"{page.name} has no citation block."
         assert f"version = {{{version}}}" in citation.group(1), page.name
     assert '--8<-- "CHANGELOG.md"' in (DOCS / "changelog.md").read_text()
+
+
+def test_site_shows_no_private_path_and_no_config(site: pathlib.Path):
+    # Users read `equinox.Module`'s private home nowhere, and the docs' linter
+    # settings are not a page.
+    pages = [p.read_text() for p in site.rglob("*.html")]
+    assert not [p for p in pages if "equinox._module" in p]
+    assert not (site / "ruff.toml").exists()

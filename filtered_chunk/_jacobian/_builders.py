@@ -67,12 +67,12 @@ def chunked_jacrev(
         real (or, with `holomorphic=True`, complex) arrays.
     - `argnums`: which positional argument(s) to differentiate with respect to:
         an int or a sequence of ints, as for `jax.jacrev`. Defaults to `0`.
-    - `chunk_size`: keyword-only. The number of rows (elements of the flattened
-        output) computed per step. `None` (the default), or any value at least the
-        output size, computes them all in one `vmap`, as `jax.jacrev`. Or a
-        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
-        largest chunk size whose compiled program fits it is chosen, as for
-        `filter_chunked_vmap`.
+    - `chunk_size`: keyword-only. The number of rows (elements of the flattened output)
+        computed per step. `None` (the default), or any value at least the output size,
+        computes them all in one `vmap`, as `jax.jacrev`. Or a memory budget, `"auto"`
+        or a [`filtered_chunk.MemoryBudget`][]: a chunk size whose compiled program fits
+        it is chosen: on CPU the fastest of a few that fit, timed once on your machine;
+        elsewhere the largest, as for `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacrev`. Defaults to `False`.
@@ -153,11 +153,11 @@ def chunked_jacfwd(
     - `argnums`: which positional argument(s) to differentiate with respect to:
         an int or a sequence of ints, as for `jax.jacfwd`. Defaults to `0`.
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
-        differentiated arguments) computed per step. `None` (the default), or any
-        value at least the input size, computes them all in one `vmap`, as
-        `jax.jacfwd`. Or a memory budget, `"auto"` or a
-        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
-        program fits it is chosen, as for `filter_chunked_vmap`.
+        differentiated arguments) computed per step. `None` (the default), or any value
+        at least the input size, computes them all in one `vmap`, as `jax.jacfwd`. Or a
+        memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: a chunk size
+        whose compiled program fits it is chosen: on CPU the fastest of a few that fit,
+        timed once on your machine; elsewhere the largest, as for `filter_chunked_vmap`.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`; `aux`
         is returned beside the Jacobian. Defaults to `False`.
     - `holomorphic`: keyword-only. As for `jax.jacfwd`. Defaults to `False`.
@@ -234,10 +234,11 @@ def filter_chunked_jacrev(
     **Arguments:**
 
     - `fun`: the function to differentiate, returning real arrays.
-    - `chunk_size`: keyword-only. The number of rows (elements of the flattened
-        output) computed per step; `None` (the default) computes them all at once.
-        Or a memory budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: the
-        largest chunk size whose compiled program fits it is chosen.
+    - `chunk_size`: keyword-only. The number of rows (elements of the flattened output)
+        computed per step; `None` (the default) computes them all at once. Or a memory
+        budget, `"auto"` or a [`filtered_chunk.MemoryBudget`][]: a chunk size whose
+        compiled program fits it is chosen: on CPU the fastest of a few that fit, timed
+        once on your machine; elsewhere the largest.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.
@@ -304,8 +305,9 @@ def filter_chunked_jacfwd(
     - `chunk_size`: keyword-only. The number of columns (elements of the flattened
         floating-point arrays of the first argument) computed per step; `None` (the
         default) computes them all at once. Or a memory budget, `"auto"` or a
-        [`filtered_chunk.MemoryBudget`][]: the largest chunk size whose compiled
-        program fits it is chosen.
+        [`filtered_chunk.MemoryBudget`][]: a chunk size whose compiled program fits it
+        is chosen: on CPU the fastest of a few that fit, timed once on your machine;
+        elsewhere the largest.
     - `has_aux`: keyword-only. Whether `fun` returns a pair `(output, aux)`.
     - `remainder`: keyword-only. As for `filter_chunked_vmap`: `"overlap"` (the
         default) or `"separate"`.
