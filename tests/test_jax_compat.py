@@ -254,3 +254,29 @@ def test_without_const_values_keeps_the_constvars_and_drops_their_values():
     np.testing.assert_array_equal(out[0], np.arange(3.0))
     if jax.__version_info__ >= (0, 11):
         assert len(values) == 1  # the version check is still needed
+
+
+def test_vmap_inside_scan_jax_36958():
+    # jax#36958: a `vmap` inside a `lax.scan` (every chunked call's pattern) gave
+    # wrong values on GPU with JAX 0.10.0 and 0.10.1. On CPU the reported program
+    # is right with every JAX admitted, plain and chunked (`docs/gpu.md`).
+    import filtered_chunk as fc
+
+    def rollout(weight, bias, x, vmap):
+        def step(_x, _):
+            _v = vmap(lambda w, b, y: w @ y + b, (None, None, 0))(weight, bias, _x)
+            return _x + _v / 50, None
+
+        return lax.scan(step, x, length=50)[0]
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    normal = lambda key, shape: jax.random.normal(key, shape, dtype=jnp.float32)
+    weight, bias = normal(keys[0], (2, 2)), normal(keys[1], (2,))
+    x0 = normal(keys[2], (64, 2))
+    expected = np.asarray(x0, np.float64)
+    for _ in range(50):
+        expected = expected + (expected @ np.asarray(weight).T + np.asarray(bias)) / 50
+    chunked = lambda f, axes: fc.filter_chunked_vmap(f, in_axes=axes, chunk_size=7)
+    for vmap in (jax.vmap, chunked):
+        out = jax.jit(lambda w, b, x: rollout(w, b, x, vmap))(weight, bias, x0)
+        assert np.max(np.abs(np.asarray(out, np.float64) - expected)) < 1e-4
