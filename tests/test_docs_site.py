@@ -229,3 +229,16 @@ def test_site_shows_no_private_path_and_no_config(site: pathlib.Path):
     pages = [p.read_text() for p in site.rglob("*.html")]
     assert not [p for p in pages if "equinox._module" in p]
     assert not (site / "ruff.toml").exists()
+
+
+@pytest.mark.parametrize(
+    "diagram", sorted((DOCS / "diagrams").glob("*.svg")), ids=lambda p: p.name
+)
+def test_diagram_text_is_legible(diagram: pathlib.Path):
+    # Drawn at phone width and shown at most 24rem wide (`extra.css`): 360 units
+    # and text of 12 units or more read at 11-16 px on a 390 px phone and a desktop.
+    svg = diagram.read_text()
+    width = float(re.search(r'viewBox="0 0 ([0-9.]+) ', svg).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+    sizes = [float(s) for s in re.findall(r'font-size="([0-9.]+)"', svg)]
+    assert width <= 360, f"{diagram.name} is {width} units wide"
+    assert sizes and min(sizes) >= 12, f"{diagram.name}: text of {min(sizes)} units"
