@@ -233,19 +233,28 @@ def test_infinite_derivative_of_a_kept_boundary(remainder, chunk_size):
         assert _same(jax.hessian(chunked)(x), jax.hessian(oracle)(x))
 
 
-# Known wrong answers (issue 44, items 3 and 4), strict: a fix makes them pass,
-# and then the marker goes.
-@pytest.mark.xfail(
-    strict=True,
-    reason="recomputed, each loop's cotangent of `h` passes `sqrt`'s derivative "
-    "apart: inf - inf (issue 44, item 4)",
-)
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("chunk_size", (3, 4))
 @pytest.mark.parametrize("keep", (False, 5))
-def test_infinite_derivative_of_a_recomputed_boundary(keep):
-    x, chunked, oracle = _read_twice_case(keep, 3, "overlap")
+def test_infinite_derivative_of_a_recomputed_boundary(keep, chunk_size, remainder):
+    # Recomputed by the pass and the final loop (`keep_boundaries=5` keeps
+    # nothing of one pass), `h`'s two cotangents add before `sqrt`'s derivative,
+    # as under `jax.vmap`: each element's tangent goes through the whole program
+    # in one loop (`_staged/_derivative.py`). First and second order.
+    x, chunked, oracle = _read_twice_case(keep, chunk_size, remainder)
+    assert jnp.isneginf(jax.grad(oracle)(x)[0])
     assert _same(jax.grad(chunked)(x), jax.grad(oracle)(x))
+    assert jnp.isposinf(jax.hessian(oracle)(x)[0, 0])
+    assert _same(jax.hessian(chunked)(x), jax.hessian(oracle)(x))
+    jacobian = lambda f: jax.jacfwd(jax.jacrev(f))(x)
+    assert _same(jacobian(chunked), jacobian(oracle))
+    tangent = jnp.linspace(1.0, 2.0, 7)
+    jvp = lambda f: jax.jvp(f, (x,), (tangent,))
+    assert _same(jvp(chunked), jvp(oracle))
 
 
+# A known wrong answer (issue 44, item 3), strict: a fix makes it pass, and then
+# the marker goes.
 @pytest.mark.xfail(
     strict=True,
     reason="forward over reverse, the cotangent of `h` written over in place has "

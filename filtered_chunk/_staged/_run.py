@@ -1,7 +1,7 @@
 """Collectives over the mapped axis across chunks, exactly: staged evaluation
 (this folder's `README.md`).
 
-[`run_plan`][] runs `fun` in passes of the library's one loop ([`run_in_chunks`][]):
+[`forward`][] runs `fun` in passes of the library's one loop ([`run_in_chunks`][]):
 pass `s` computes only the operands of the level-`s` collectives, with the results
 of lower levels as unmapped values; the last computes every output (the unmapped
 ones as the loop's unbatched outputs, so that `jax.vmap` tells whether they vary).
@@ -439,7 +439,7 @@ def plan_staged(
     return plan
 
 
-def run_plan(
+def forward(
     plan: Plan,
     consts: list[Any],
     unmapped: list[Array],
@@ -447,12 +447,13 @@ def run_plan(
     options: LoopOptions,
     shard: BatchSharding | None,
     sum_match: bool = False,
-) -> tuple[list[Array], list[Any]]:
+) -> tuple[list[Array], list[Array], dict[int, list[Array]]]:
     """The passes and the final loop of `plan`, over `batch` (the mapped leaves
     and their axes; this device's shard of them with `shard`): the mapped outputs
-    (the batch on axis 0) and the unmapped ones (summed over the batch where they
-    vary, with `sum_match`). `consts` are the program's (inputs of the
-    `shard_map`, when sharded)."""
+    (the batch on axis 0), the unmapped ones as traced (summed over the batch
+    where they vary, with `sum_match`), and the results of every level's
+    collectives. `consts` are the program's (inputs of the `shard_map`, when
+    sharded). Derivatives: `_derivative.py`."""
     fixed = list(consts) + list(unmapped)
     results: dict[int, list[Array]] = {}
     buffers: Buffers = {}
@@ -468,11 +469,7 @@ def run_plan(
     out_mapped, out_unmapped = _final(
         plan, fixed, results, inputs, options, shard, sum_match
     )
-    out_unmapped = [
-        value if untraced else x
-        for x, (untraced, value) in zip(out_unmapped, plan.program.kept, strict=True)
-    ]
-    return out_mapped, out_unmapped
+    return out_mapped, out_unmapped, results
 
 
 def _final(

@@ -15,8 +15,9 @@ from .._axes import describe, varying_unmapped
 from .._custom_types import ChunkOutput, InputArray, keep_untraced, LoopOptions
 from .._sharding import BatchSharding
 from .._structs import element_struct
+from ._derivative import run_differentiable
 from ._plan import Plan
-from ._run import plan_staged, run_plan, VaryingUnmappedOutput
+from ._run import plan_staged, VaryingUnmappedOutput
 
 
 class StagedVmap(NamedTuple):
@@ -84,7 +85,7 @@ def run_staged_vmap(
     device's shard of them with `shard`)."""
     batch = (jtu.tree_leaves(mapped), staged.in_axes)
     try:
-        out_mapped, out_unmapped = run_plan(
+        out_mapped, out_unmapped = run_differentiable(
             staged.plan, consts, [], batch, options, shard, staged.sum_match
         )
     except VaryingUnmappedOutput as e:

@@ -1,0 +1,387 @@
+"""Staged collectives, part 6: derivatives whose cotangents add where `jax.vmap`'s
+do (this folder's `README.md`).
+
+Differentiated through the loops one by one, a value that two loops recompute (`h
+= sqrt(x)`, summed by a pass for `pmean(h)` and read by the final loop) gets one
+cotangent per loop, each taken through `h`'s derivative on its own and added only
+at `x`: where that derivative is infinite, `inf - inf` is `nan` where `jax.vmap`,
+which adds the cotangents at `h` first, gives `inf`. So a plan that keeps no
+stage boundaries runs under [`run_differentiable`][]'s JVP rule, whose tangents
+come from one loop of the whole program for each element, with the collectives'
+results held constant (the tangents of the mapped outputs and of every
+collective's operand, through the inputs), and then, level by level, loops of the
+tangents through the results alone:
+
+    d(result of level s) = finish(sum over the batch of d(operand) through the
+                           inputs) + sum of d(operand) through lower levels' results
+    d(output)            = d(output) through the inputs + through the results
+
+JAX transposes the first loop once for each element, adding the cotangents at
+every value of the program before its derivative, as `jax.vmap` does; the others
+give only the results' cotangents. The number of loops is that of the passes.
+
+A variance summed in its mean's pass (`_moments.py`) is differentiated as
+written, about the mean: its derivative through the mean, `-2 sum(y - m) dm`, is
+zero for every input, since `m` is the mean of those `y`.
+"""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from .._custom_types import ChunkOutput, LoopOptions
+from .._jax_compat import batched_none_output
+from .._sharding import across, BatchSharding
+from .._structs import inexact
+from ._passes import finish, kind, strong
+from ._plan import _schedule, Plan
+from ._program import bind
+from ._run import _element_fn, _loop, _with_mapped, forward, VaryingUnmappedOutput
+
+
+# The stages of the tangent loops: the whole program for one element (every
+# collective's operand and every output), and its outputs alone; both with every
+# collective's result given, and without effects (which the forward loops run).
+WHOLE = "whole"
+OUTPUTS = "outputs"
+
+
+def run_differentiable(
+    plan: Plan,
+    consts: list[Any],
+    unmapped: list[Array],
+    batch: tuple[list[Array], list[int]],
+    options: LoopOptions,
+    shard: BatchSharding | None,
+    sum_match: bool = False,
+) -> tuple[list[Array], list[Any]]:
+    """`forward`'s outputs, the untraced unmapped ones as they are, with the
+    derivatives described above where the plan recomputes what its passes
+    computed (it keeps no stage boundaries)."""
+    if plan.num_passes == 0 or sum_match or any(plan.writes.values()):
+        out_mapped, out_unmapped, _ = forward(
+            plan, consts, unmapped, batch, options, shard, sum_match
+        )
+    else:
+        leaves, axes = batch
+        staged = _with_tangent_stages(plan)
+        out_mapped, out_unmapped = _staged(
+            list(consts),
+            list(unmapped),
+            list(leaves),
+            plan=staged,
+            axes=tuple(axes),
+            options=options,
+            shard=shard,
+        )
+    return out_mapped, [
+        value if untraced else x
+        for x, (untraced, value) in zip(out_unmapped, plan.program.kept, strict=True)
+    ]
+
+
+def _with_tangent_stages(plan: Plan) -> Plan:
+    jaxpr = plan.program.jaxpr
+    upto = plan.num_passes + 1
+    operands = [v for i in _differentiated(plan) for v in jaxpr.eqns[i].invars]
+    targets = {WHOLE: operands + list(jaxpr.outvars), OUTPUTS: list(jaxpr.outvars)}
+    schedules = {
+        stage: _schedule(jaxpr.eqns, roots, upto, plan.levels, False, ())[0]
+        for stage, roots in targets.items()
+    }
+    empty = {stage: [] for stage in targets}
+    return dataclasses.replace(
+        plan,
+        schedules=plan.schedules | schedules,
+        targets=plan.targets | targets,
+        reads=plan.reads | empty,
+        writes=plan.writes | empty,
+    )
+
+
+def _differentiated(plan: Plan, level: int | None = None) -> list[int]:
+    """The collectives (of `level`, or of every level) whose results have a
+    derivative: those of floating or complex values, but `pmax` and `pmin`,
+    which JAX does not differentiate."""
+    levels = range(1, plan.num_passes + 1) if level is None else [level]
+    eqns = plan.program.jaxpr.eqns
+    return [
+        i
+        for s in levels
+        for i in plan.at_level(s)
+        if eqns[i].primitive.name not in ("pmax", "pmin")
+        and all(inexact(v.aval) for v in eqns[i].outvars)
+    ]
+
+
+@eqx.filter_custom_jvp
+def _staged(
+    consts: list[Any],
+    unmapped: list[Array],
+    leaves: list[Array],
+    *,
+    plan: Plan,
+    axes: tuple[int, ...],
+    options: LoopOptions,
+    shard: BatchSharding | None,
+) -> tuple[list[Array], list[Array]]:
+    out_mapped, out_unmapped, _ = forward(
+        plan, consts, unmapped, (leaves, list(axes)), options, shard
+    )
+    return out_mapped, out_unmapped
+
+
+@_staged.def_jvp
+def _staged_jvp(
+    primals: tuple[Any, ...],
+    tangents: tuple[Any, ...],
+    *,
+    plan: Plan,
+    axes: tuple[int, ...],
+    options: LoopOptions,
+    shard: BatchSharding | None,
+) -> tuple[Any, Any]:
+    consts, unmapped, leaves = primals
+    t_consts, t_unmapped, t_leaves = tangents
+    batch = (list(leaves), list(axes))
+    # Staged (`jax.jit`), as the loops always are: run on the known values of
+    # a linearisation, their constants would be NumPy arrays and Python scalars.
+    out_mapped, out_unmapped, results = jax.jit(
+        lambda _c, _u, _l: forward(plan, _c, _u, (_l, list(axes)), options, shard)
+    )(list(consts), list(unmapped), list(leaves))
+    fixed, t_fixed = list(consts) + list(unmapped), list(t_consts) + list(t_unmapped)
+    _refuse_max_min(plan, t_fixed, list(t_leaves))
+    quiet = options._replace(progress_meter=None)
+    loops = _TangentLoops(plan, fixed, batch, results, quiet, shard)
+    # Through the inputs, the results held constant.
+    t_sums, t_mapped, t_unmapped_out = _jvp(
+        lambda _fixed, _leaves: loops.whole(_fixed, _leaves),
+        (fixed, list(leaves)),
+        (t_fixed, list(t_leaves)),
+    )
+    # Then through the results, level by level.
+    t_results: dict[int, list[Any]] = {}
+    for level in range(1, plan.num_passes + 1):
+        through = {}
+        if level > 1:
+            through = _jvp(
+                lambda _r, _level=level: loops.operands(_level, _r),
+                (results,),
+                (t_results,),
+            )
+        eqns = plan.program.jaxpr.eqns
+        for i in _differentiated(plan, level):
+            parts = [
+                _add(a, b)
+                for a, b in zip(t_sums[i], through.get(i, [None] * len(t_sums[i])))
+            ]
+            if any(p is None for p in parts):  # no tangent reaches it
+                continue
+            t_results[i] = finish(
+                eqns[i], parts, plan.program.axis_name, plan.program.batch_size
+            )
+    t_mapped_r, t_unmapped_r = _jvp(
+        lambda _r: loops.outputs(_r), (results,), (t_results,)
+    )
+    t_mapped = [
+        _tangent(x, _add(a, b)) for x, a, b in zip(out_mapped, t_mapped, t_mapped_r)
+    ]
+    t_unmapped_out = [
+        _tangent(x, _add(a, b))
+        for x, a, b in zip(out_unmapped, t_unmapped_out, t_unmapped_r, strict=True)
+    ]
+    return (out_mapped, out_unmapped), (t_mapped, t_unmapped_out)
+
+
+class _TangentLoops:
+    """The loops of the tangents above, each over this device's elements, on the
+    primal values of the call (`fixed`: the program's consts and unmapped
+    inputs; `batch`: its mapped leaves and their axes; `results`: the
+    collectives' results)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        fixed: list[Any],
+        batch: tuple[list[Array], list[int]],
+        results: dict[int, list[Array]],
+        options: LoopOptions,
+        shard: BatchSharding | None,
+    ):
+        self.plan, self.fixed, self.batch = plan, fixed, batch
+        self.results, self.options, self.shard = results, options, shard
+
+    def whole(self, fixed: list[Any], leaves: list[Array]) -> tuple[Any, ...]:
+        """Every differentiated collective's accumulated operands (by equation),
+        and the mapped and unmapped outputs, with the results held constant."""
+        batch = (leaves, self.batch[1])
+        return self._run(
+            WHOLE, fixed, self.results, batch, {}, _differentiated(self.plan)
+        )
+
+    def operands(self, level: int, results: dict[int, list[Array]]) -> dict:
+        """The level's differentiated collectives' accumulated operands, as
+        functions of the results of lower levels (the mean of a variance summed
+        beside it held at its value)."""
+        plan, eqns = self.plan, self.plan.program.jaxpr.eqns
+        shifts = {}
+        for moment in plan.moments.get(level, []):
+            m_eqn = eqns[moment.m_eqn]
+            (m,) = bind(m_eqn, [self.results[moment.mean][0], m_eqn.invars[1].val])
+            shifts[moment.m] = m
+        ids = _differentiated(plan, level)
+        return self._run(level, self.fixed, results, self.batch, shifts, ids)[0]
+
+    def outputs(self, results: dict[int, list[Array]]) -> tuple[Any, ...]:
+        """The mapped and unmapped outputs, as functions of the results."""
+        return self._run(OUTPUTS, self.fixed, results, self.batch, {}, [])[1:]
+
+    def _run(
+        self,
+        stage: Any,
+        fixed: list[Any],
+        results: dict[int, list[Array]],
+        batch: tuple[list[Array], list[int]],
+        shifts: dict[Any, Array],
+        ids: list[int],
+    ) -> tuple[dict[int, list[Array]], list[Array], list[Array]]:
+        plan = self.plan
+        eqns, k = plan.program.jaxpr.eqns, plan.program.num_mapped_out
+        positions = _positions(plan, stage, ids)
+        num_out = len(plan.program.jaxpr.outvars) if stage in (WHOLE, OUTPUTS) else 0
+        element = _element_fn(plan, stage, fixed, results, shifts)
+
+        def _element(_m: list[Array], _p: Array) -> tuple[list[Any], ...]:
+            out = element(_m, _p)
+            outs = out[len(out) - num_out :] if num_out else []
+            return [out[j] for j, _ in positions], outs[:k], outs[k:]
+
+        def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
+            del size
+            vmapped = jax.vmap(_element, in_axes=(batch[1], 0), out_axes=(0, 0, None))
+            try:
+                rows, mapped, unbatched = vmapped(*inputs)
+            except ValueError as e:  # as the forward loop (which raised first)
+                path = batched_none_output(e)
+                if path is None or path[:1] != (2,):
+                    raise
+                raise VaryingUnmappedOutput(path[1] if len(path) > 1 else 0) from None
+            kinds = [_kind(eqns[i]) for _, i in positions] + [None] * len(mapped)
+            leaves = [strong(x) if w else x for x, w in zip(rows, kinds)] + list(mapped)
+            return ChunkOutput(
+                leaves, (0,) * len(leaves), unbatched, None, tuple(kinds)
+            )
+
+        level = plan.num_passes + 1
+        out, _ = _loop(plan, _chunk_fn, batch, self.options, self.shard, level)
+        values, kinds = list(out.batched), out.kinds()
+        sums, mapped = values[: len(positions)], values[len(positions) :]
+        if self.shard is not None:  # every device's accumulators, rows gathered
+            names = self.shard.axis_names
+            sums = [across(w, x, names) for x, w in zip(sums, kinds, strict=False)]
+        parts: dict[int, list[Array]] = {}
+        for (_, i), x in zip(positions, sums, strict=True):
+            parts.setdefault(i, []).append(x)
+        return parts, mapped, list(out.unbatched)
+
+
+def _kind(eqn: Any) -> str | None:
+    """How the loop keeps an operand's rows: summed, or written (`None`)."""
+    return "sum" if kind(eqn) == "sum" else None
+
+
+def _positions(plan: Plan, stage: Any, ids: list[int]) -> list[tuple[int, int]]:
+    """For each operand of the collectives `ids`, its position among the stage's
+    targets, and its collective."""
+    eqns = plan.program.jaxpr.eqns
+    order = ids if stage in (WHOLE, OUTPUTS) else plan.at_level(stage)
+    found, j = [], 0
+    for i in order:
+        for _ in eqns[i].invars:
+            if i in ids:
+                found.append((j, i))
+            j += 1
+    return found
+
+
+def _refuse_max_min(plan: Plan, t_fixed: list[Any], t_leaves: list[Any]) -> None:
+    """What `jax.vmap` raises where a staged `pmax` or `pmin` has an operand with a
+    tangent: JAX defines no derivative of either."""
+    jaxpr = plan.program.jaxpr
+    invars = list(jaxpr.constvars) + list(jaxpr.invars)
+    tangents = _with_mapped(plan, t_fixed, t_leaves)
+    moved = {v for v, t in zip(invars, tangents, strict=True) if t is not None}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v in moved]
+        if not ins or eqn.primitive.name == "stop_gradient":
+            continue
+        name = eqn.primitive.name
+        if i in plan.levels and name in ("pmax", "pmin"):
+            raise NotImplementedError(
+                f"Differentiation rule for '{name}' not implemented"
+            )
+        moved.update(v for v in eqn.outvars if inexact(v.aval))
+
+
+def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
+    """The tangents of `fn` at `primals`, where a `None` (or missing) tangent is
+    zero: that leaf is held constant, never a tangent of zeros (`0 * inf`)."""
+    leaves, treedef = jax.tree.flatten(primals)
+    t_leaves = _aligned(primals, tangents)
+    moved = [
+        j
+        for j, (x, t) in enumerate(zip(leaves, t_leaves, strict=True))
+        if t is not None and inexact(x)
+    ]
+
+    def _fn(*diff: Any) -> Any:
+        full = list(leaves)
+        for j, d in zip(moved, diff, strict=True):
+            full[j] = d
+        return fn(*jax.tree.unflatten(treedef, full))
+
+    if not moved:
+        return jax.tree.map(lambda _: None, _fn())
+    _, t_out = jax.jvp(
+        jax.jit(_fn), tuple(leaves[j] for j in moved), tuple(t_leaves[j] for j in moved)
+    )
+    return t_out
+
+
+def _aligned(primals: Any, tangents: Any) -> list[Any]:
+    """`tangents` as a list of `primals`' leaves, `None` where there is none (a
+    `None` subtree, or a key of a dict that `tangents` lacks)."""
+    if isinstance(primals, dict):
+        tangents = tangents or {}
+        # In `jax.tree`'s order of a dict's keys: sorted.
+        keys = sorted(primals)
+        return [t for key in keys for t in _aligned(primals[key], tangents.get(key))]
+    if isinstance(primals, list | tuple):
+        tangents = tangents if tangents is not None else [None] * len(primals)
+        return [
+            t for p, u in zip(primals, tangents, strict=True) for t in _aligned(p, u)
+        ]
+    if primals is None:
+        return []
+    return [tangents]
+
+
+def _add(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None or not inexact(a):
+        return a
+    return a + b
+
+
+def _tangent(x: Any, t: Any) -> Any:
+    """`t`, or the zero tangent of `x` where it has none (`float0` if not inexact)."""
+    if not inexact(x):
+        return np.zeros(np.shape(x), jax.dtypes.float0)
+    return jnp.zeros_like(x) if t is None else t
