@@ -40,7 +40,7 @@ from .._jax_compat import batched_none_output
 from .._sharding import across, BatchSharding
 from .._structs import inexact
 from ._passes import finish, kind, strong
-from ._plan import _schedule, Plan
+from ._plan import _schedule, differentiable, Plan
 from ._program import bind
 from ._run import _element_fn, _loop, _with_mapped, forward, VaryingUnmappedOutput
 
@@ -301,13 +301,8 @@ def _positions(plan: Plan, stage: Any, ids: list[int]) -> list[tuple[int, int]]:
     targets, and its collective."""
     eqns = plan.program.jaxpr.eqns
     order = ids if stage in (WHOLE, OUTPUTS) else plan.at_level(stage)
-    found, j = [], 0
-    for i in order:
-        for _ in eqns[i].invars:
-            if i in ids:
-                found.append((j, i))
-            j += 1
-    return found
+    starts = plan.operand_starts(order)
+    return [(starts[i] + j, i) for i in ids for j in range(len(eqns[i].invars))]
 
 
 def _refuse_max_min(plan: Plan, t_fixed: list[Any], t_leaves: list[Any]) -> None:
@@ -316,17 +311,16 @@ def _refuse_max_min(plan: Plan, t_fixed: list[Any], t_leaves: list[Any]) -> None
     jaxpr = plan.program.jaxpr
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
     tangents = _with_mapped(plan, t_fixed, t_leaves)
-    moved = {v for v, t in zip(invars, tangents, strict=True) if t is not None}
-    for i, eqn in enumerate(jaxpr.eqns):
-        ins = [v for v in eqn.invars if not isinstance(v, jex.Literal) and v in moved]
-        if not ins or eqn.primitive.name == "stop_gradient":
-            continue
-        name = eqn.primitive.name
-        if i in plan.levels and name in ("pmax", "pmin"):
+    seeds = [v for v, t in zip(invars, tangents, strict=True) if t is not None]
+    moved = differentiable(jaxpr, seeds)
+    for i in plan.levels:
+        name = jaxpr.eqns[i].primitive.name
+        operands = jaxpr.eqns[i].invars
+        moves = any(not isinstance(v, jex.Literal) and v in moved for v in operands)
+        if name in ("pmax", "pmin") and moves:
             raise NotImplementedError(
                 f"Differentiation rule for '{name}' not implemented"
             )
-        moved.update(v for v in eqn.outvars if inexact(v.aval))
 
 
 def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:

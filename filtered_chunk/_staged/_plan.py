@@ -65,6 +65,15 @@ class Plan:
         as a constant cotangent under `jax.grad`, has none)."""
         return _is_var(v) and v in self.differentiable
 
+    def operand_starts(self, ids: list[int]) -> dict[int, int]:
+        """The position of each of the collectives `ids`' first operand among
+        all their operands, in the order of `ids`."""
+        eqns, starts, position = self.program.jaxpr.eqns, {}, 0
+        for i in ids:
+            starts[i] = position
+            position += len(eqns[i].invars)
+        return starts
+
     def at_level(self, level: int) -> list[int]:
         return [i for i, lv in self.levels.items() if lv == level]
 
@@ -158,13 +167,15 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
         targets,
         reads,
         writes,
-        _differentiable(jaxpr, invars),
+        differentiable(jaxpr, invars),
         moments,
     )
 
 
-def _differentiable(jaxpr: Any, invars: list[Any]) -> frozenset[Any]:
-    found = {v for v in invars if inexact(v.aval)}
+def differentiable(jaxpr: Any, seeds: list[Any]) -> frozenset[Any]:
+    """The values of `jaxpr` that depend on an inexact one of `seeds` other than
+    through `lax.stop_gradient` (the seeds included): those with a derivative."""
+    found = {v for v in seeds if inexact(v.aval)}
     for eqn in jaxpr.eqns:
         ins = any(_is_var(v) and v in found for v in eqn.invars)
         if ins and eqn.primitive.name != "stop_gradient":

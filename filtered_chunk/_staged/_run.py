@@ -262,11 +262,7 @@ def _shifted_means(plan: Plan, level: int) -> dict[int, Any]:
     """The position among the level's operands of the mean of each variance that
     the level's pass computes beside it, and the mean's variable (which keys its
     shift)."""
-    eqns = plan.program.jaxpr.eqns
-    starts, position = {}, 0
-    for i in plan.at_level(level):
-        starts[i] = position
-        position += len(eqns[i].invars)
+    starts = plan.operand_starts(plan.at_level(level))
     return {starts[moment.mean]: moment.m for moment in plan.moments.get(level, [])}
 
 
