@@ -4,6 +4,8 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
 
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -38,6 +40,21 @@ def tree_allclose(x: Any, y: Any, *, rtol: float = 1e-5, atol: float = 1e-8) -> 
     if jax.default_backend() == "gpu":
         atol = max(atol, 1e-3)
     return bool(eqx.tree_equal(x, y, typematch=True, rtol=rtol, atol=atol))
+
+
+def same_nonfinite(actual: Any, expected: Any, *, rtol: float = 1e-5) -> bool:
+    """Same `nan`s, same infinities (with sign), close finite values."""
+
+    def _finite(x: Any) -> Any:
+        return jnp.where(jnp.isfinite(x), x, 0)
+
+    def _masks(x: Any) -> Any:
+        return jnp.isnan(x), jnp.isposinf(x), jnp.isneginf(x)
+
+    masks = jtu.tree_map(_masks, (actual, expected))
+    same_masks = jtu.tree_map(lambda a, b: bool(jnp.all(a == b)), *masks)
+    finite = jtu.tree_map(_finite, (actual, expected))
+    return all(jtu.tree_leaves(same_masks)) and tree_allclose(*finite, rtol=rtol)
 
 
 @contextlib.contextmanager

@@ -430,14 +430,17 @@ def test_kept_cotangent_memory_does_not_grow_with_readers(getkey):
 
 
 @pytest.mark.parametrize("chunk_size", (16, 24))
-def test_kept_cotangents_are_written_over_in_place(chunk_size, getkey):
+def test_kept_cotangents_share_two_buffers(chunk_size, getkey):
     # Under `jax.grad` every kept value is a residual, but the cotangents of a
-    # chain of them share one buffer: each transposed loop writes the cotangent
-    # of the value it read over that of the value it kept. Two more blocks of
+    # chain of them pass two buffers back and forth: each transposed loop reads
+    # the cotangent of the value it kept from one carry, zeroing it, and adds
+    # that of the value it read into another, which started as the zeros of
+    # the loop after it (`_loop/_rule.py`, `_carried`). Two more blocks of
     # `_wide` keep two more values (a pass each); with a cotangent buffer each,
     # as the loop's transpose would otherwise make them, they needed 5.2 (chunks
     # of 16) and 5.9 (24, an overlapping last chunk) boundaries more, against
-    # 3.1 and 3.9 written over.
+    # 3.3 and 4.1 with two buffers (3.3 and 4.2 when one buffer was written
+    # over in place, which made `nan` of infinite second derivatives).
     x = jr.normal(getkey(), (256, 6))
     c = jr.normal(getkey(), x.shape)  # an argument: no constant cotangent to fold
     boundary = x.size * x.dtype.itemsize  # one kept value of every element
@@ -463,7 +466,7 @@ def test_kept_cotangents_are_written_over_in_place(chunk_size, getkey):
 def _custom_first(x, w):
     # The first pass computes `h` through a `custom_vjp` (with an overlap, the
     # derivative evaluates the leftover rows apart) and keeps it; the second
-    # keeps `g`: each written over the tangent of what its loop read.
+    # keeps `g`: each one's tangent rides its loop's carry.
     h = _doubled(jnp.tanh(x * w))
     g = jnp.sin(h - lax.pmean(h, "i"))
     return g * lax.pmean(g, "i")

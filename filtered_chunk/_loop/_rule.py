@@ -43,14 +43,15 @@ cotangent, not `n` that XLA keeps alive to sum after the last
 (`tests/test_collectives_boundaries.py`,
 `test_kept_cotangent_memory_does_not_grow_with_readers`).
 
-A written output that the caller names (`run_in_chunks(..., overwrite=...)`: a
-stage boundary kept for the next loop) has its tangent carried in place of an
-input's of the same type: each step reads the input's rows from the carry, then
-writes the output's over them (`_in_place`). The transposed loop then turns the
-output's cotangent into the input's in one buffer, where a chain of loops would
-otherwise make a batch-sized cotangent per loop, each in memory of its own
-(`tests/test_collectives_boundaries.py`,
-`test_kept_cotangents_are_written_over_in_place`).
+A written output that the caller names (`run_in_chunks(..., carried=...)`: a
+stage boundary kept for the next loop) has its tangent in the scan's carry,
+which starts from the tangent of the spare it is written into (a dead value
+that an earlier loop relayed), if any (`_carried`). The transposed loop reads
+the output's cotangent from the carry and zeroes it as it goes, and the zeros go
+back through the earlier loop's relay: a chain of loops passes two cotangent
+buffers back and forth, where each loop would otherwise make a batch-sized
+cotangent in memory of its own (`tests/test_collectives_boundaries.py`,
+`test_kept_cotangents_share_two_buffers`).
 
 A cotangent through the loop has the weak type that the chunk function's transpose
 gives it, as under `jax.vmap`, not one that the loop's slices, sums or checkpoint
@@ -190,8 +191,12 @@ def _run_jvp(
 ) -> tuple[Any, Any]:
     fn, inputs, buffers, unbatched, rest_fn = primals
     t_fn, t_inputs, t_buffers, _, t_rest_fn = tangents
-    # The buffers start as zeros made by `run_in_chunks`: never perturbed.
-    assert all(t is None for t in t_buffers)
+    # The outputs whose tangents ride carries (`_carried`), each from its buffer's
+    # tangent (where the buffer has one: see `_carried`) or from zeros.
+    into = _carried(buffers, loop)
+    # Every other buffer is zeros made by `run_in_chunks`, or a spare without
+    # tangent: never perturbed.
+    assert all(t is None or j in into for j, t in enumerate(t_buffers))
     # With a function at the leftover's size, the whole chunks are scanned and the
     # leftover is evaluated on its own: no row is computed twice.
     apart = rest_fn is not None and loop.num_steps > loop.num_whole
@@ -217,37 +222,19 @@ def _run_jvp(
         jtu.tree_map(lambda a, x: jtu.tree_map(lambda _: a, x), loop.in_axes, inputs)
     )
     t_relay = _relayed(t_leaves, loop)
-    # A written output's tangent may be written over an input's, in place: the
-    # output's position, and the input's (`_in_place`).
-    over = _in_place(inputs, t_leaves, axes, buffers, loop)
-    t_over = [t_leaves[i] for i in over.values()]
+    t_written = [
+        _zeros_like(buffers[j]) if t_buffers[j] is None else t_buffers[j] for j in into
+    ]
     t_chunks = jtu.tree_unflatten(
         t_def,
         [
-            None
-            if t is None or i in loop.relay or i in over.values()
-            else steps.split(t, axis)
+            None if t is None or i in loop.relay else steps.split(t, axis)
             for i, (t, axis) in enumerate(zip(t_leaves, axes, strict=True))
         ],
     )
     rows = lambda t, start, i: lax.dynamic_slice_in_dim(  # noqa: E731
         t, start, steps.chunk_size, axes[i], allow_negative_indices=False
     )
-    # `saved` in place of the first rows of `r`.
-    _rows_over = lambda r, saved, i: jnp.concatenate(  # noqa: E731
-        [saved, lax.slice_in_dim(r, saved.shape[axes[i]], None, axis=axes[i])],
-        axes[i],
-    )
-    # The rows of the inputs written over that the first step reads, and those
-    # that an overlapping last step reads after the step before wrote over them
-    # (fewer than the steps), read before any step does.
-    last = steps.batch_size - steps.chunk_size
-    twice = steps.num_whole * steps.chunk_size - last if steps.overlaps else 0
-    first_over = [rows(t, 0, i) for t, i in zip(t_over, over.values(), strict=True)]
-    last_over = [
-        lax.slice_in_dim(t, last, last + twice, axis=axes[i])
-        for t, i in zip(t_over, over.values(), strict=True)
-    ]
 
     def _with_rows(_t_chunk: Any, carried: list[tuple[int, Any]]) -> Any:
         # Rows of carried tangents (input position, rows), among the chunks'.
@@ -278,20 +265,9 @@ def _run_jvp(
     ]
 
     def _body(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        _buffers, _, _t_sums, _t_relay, _t_over = carry
+        _buffers, _, _t_sums, _t_relay, _t_written = carry
         start, _t_chunk, _probes = xs
         _t_chunk = _with_relayed(_t_chunk, _t_relay, start)
-        # The rows of each tangent written over: the input's, but at an
-        # overlapping last step, whose first rows the step before wrote over.
-        old = [rows(t, start, i) for t, i in zip(_t_over, over.values(), strict=True)]
-        reads = old
-        if steps.overlaps:
-            reads = [
-                # A scalar predicate: a residual of a step, not a chunk of them.
-                lax.select_n(start == last, r, _rows_over(r, s, i))
-                for r, s, i in zip(old, last_over, over.values(), strict=True)
-            ]
-        _t_chunk = _with_rows(_t_chunk, list(zip(over.values(), reads, strict=True)))
         _t_fn, _t_chunk = join_tree((t_fn, _t_chunk), _probes)
         (_chunk, _unbatched), (_t_out, _) = step(
             fn, _t_fn, inputs, start, _t_chunk, loop
@@ -305,40 +281,38 @@ def _run_jvp(
             for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
         ]
         _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
-        _t_over = [
-            _write_over(t, _t_out[j], r, start, steps, loop.axes[j])
-            for j, t, r in zip(over, _t_over, old, strict=True)
+        _t_written = [
+            _write_rows(t, _t_out[j], start, steps, loop.axes[j])
+            for j, t in zip(into, _t_written, strict=True)
         ]
-        _t_out = [None if j in over else t for j, t in enumerate(_t_out)]
+        _t_out = [None if j in into else t for j, t in enumerate(_t_out)]
         # `+ 0`, which XLA removes, so that JAX does not see the carry pass through
         # unchanged: it would hoist it out of the loop, and the transposed loop
         # would start its cotangent from zeros rather than from the later loops'.
         _t_relay = [None if t is None else t + 0 for t in _t_relay]
-        carry = (_buffers, _unbatched, _t_sums, _t_relay, _t_over)
+        carry = (_buffers, _unbatched, _t_sums, _t_relay, _t_written)
         return carry, (_t_out, _out_probes)
 
-    init = (buffers, unbatched, t_sums, t_relay, t_over)
-    (buffers, unbatched, t_sums, t_relay, t_over), (t_stacks, out_probes) = lax.scan(
+    init = (buffers, unbatched, t_sums, t_relay, t_written)
+    (buffers, unbatched, t_sums, t_relay, t_written), (t_stacks, out_probes) = lax.scan(
         _body, init, (steps.starts(), t_chunks, steps_probes)
     )
     # An accumulated sum's tangent is its carry; a running maximum's is zero; a
-    # tangent written over an input's is its carry (see `_covered`).
+    # carried one's is its carry (see `_covered`).
     t_stacks = [t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)]
-    for j, t in zip(over, t_over, strict=True):
+    for j, t in zip(into, t_written, strict=True):
         t_stacks[j] = t
     if rest_fn is not None and apart:
-        # The leftover's rows of an input written over are still the input's.
-        t_leftover = _with_rows(t_inputs, list(zip(over.values(), t_over, strict=True)))
         buffers, t_rows, out_probes = _leftover(
             step,
             rest_fn,
             t_rest_fn,
-            (inputs, t_leftover),
+            (inputs, t_inputs),
             rest_probes[0],
             buffers,
             (t_stacks, out_probes),
             loop,
-            tuple(over),
+            tuple(into),
         )
     else:
         t_rows = [
@@ -347,7 +321,7 @@ def _run_jvp(
             else t
             if which is not None
             else _covered(t, steps, axis)
-            if j in over
+            if j in into
             else loop.merge(t, axis)
             for j, (t, axis, which) in enumerate(
                 zip(t_stacks, loop.axes, loop.kinds, strict=True)
@@ -359,7 +333,6 @@ def _run_jvp(
     ]
     t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
     t_first = _with_relayed(t_first, t_relay, jnp.array(0))
-    t_first = _with_rows(t_first, list(zip(over.values(), first_over, strict=True)))
     t_first = join_tree((t_fn, t_first), first_probes)
     t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
     t_unbatched = jtu.tree_map(
@@ -375,75 +348,52 @@ def _run_jvp(
     return (buffers, unbatched, relayed), (t_buffers, t_unbatched, t_relayed)
 
 
-def _in_place(
-    inputs: PyTree[InputArray],
-    t_leaves: list[Any],
-    axes: list[Any],
-    buffers: list[Array],
-    loop: Schedule,
-) -> dict[int, int]:
-    """The written outputs whose tangent the loop writes over an input's: output
-    position (among those `loop.overwrite` allows) to input position (among the
-    leaves of `inputs`).
+def _carried(buffers: list[Array], loop: Schedule) -> tuple[int, ...]:
+    """The written outputs whose tangents ride carries: those that
+    `loop.carried` names, written (not accumulated), inexact and not weak.
 
     XLA gives each loop's outputs memory of their own, but writes a loop's carry
-    in place. An input's tangent, split into chunks (a scanned input), is
-    transposed into a cotangent that is a scanned output: one more batch-sized
-    buffer for every loop of a chain that reads a batch-sized value, all alive
-    at once (stage boundaries kept by one loop, read by the next, which writes
-    the next). So such an output takes the tangent of an input of its exact type
-    (not relayed, mapped on the same axis) as a carry: each step reads the
-    input's rows from it, then writes the output's rows over them. In reverse
-    mode the transposed loop turns the output's cotangent into the input's, in
-    place, in one buffer.
+    in place. A written output's tangent, a scanned output, is transposed into a
+    cotangent split into chunks, a scanned input; in a chain of loops that each
+    read a batch-sized value and write the next (stage boundaries kept), each
+    transposed loop would make one more batch-sized cotangent, all alive at
+    once. So such an output's tangent is written into a carry, which starts
+    from its buffer's tangent where the caller passes a buffer with one (a dead
+    value that an earlier loop relayed, of the same type: its rows are all
+    written over), else from zeros. In reverse mode the transposed loop reads
+    the output's cotangent from that carry and zeroes it as it goes; the zeros
+    go back, through the earlier loop's relay, to start the carry in which the
+    earlier loop's transpose adds the cotangent of the value it read. A chain
+    then passes two cotangent buffers back and forth, in place.
 
-    Only where the caller allows it: the transposed step then reads the output's
-    cotangent from the carry that it writes the input's into, so under forward
-    mode over reverse (`jax.hessian`) that cotangent has a tangent of zeros even
-    where it is constant, and `0 * inf` makes `nan` of an infinite derivative
-    (`tests/test_nonfinite.py`) where `jax.vmap` keeps it. A kept boundary's
-    cotangent comes from the later loops, and varies with the inputs.
+    Two carries, not one that the read value's cotangent is written over the
+    kept one's in: the transposed step would read the output's cotangent from
+    the carry that it writes the input's into, so under forward mode over
+    reverse (`jax.hessian`) a constant cotangent (a loss that is a plain sum)
+    would have a tangent of zeros rather than none, and `0 * inf` make `nan` of
+    an infinite derivative where `jax.vmap` keeps it (`tests/test_nonfinite.py`).
     """
-    leaves = jtu.tree_leaves(inputs)
-    found: dict[int, int] = {}
-    for j, (b, which, axis) in enumerate(
-        zip(buffers, loop.kinds, loop.axes, strict=True)
-    ):
-        if j not in loop.overwrite or which is not None or not inexact(b) or _weak(b):
-            continue
-        for i, (x, t) in enumerate(zip(leaves, t_leaves, strict=True)):
-            if not (
-                t is None
-                or i in loop.relay
-                or i in found.values()
-                or axes[i] != axis
-                or jax.typeof(x) != jax.typeof(b)
-                or jax.typeof(t) != jax.typeof(b)
-            ):
-                found[j] = i
-                break
-    return found
+    return tuple(
+        j
+        for j, (b, which) in enumerate(zip(buffers, loop.kinds, strict=True))
+        if j in loop.carried and which is None and inexact(b) and not _weak(b)
+    )
 
 
-def _write_over(
-    carry: Array, t: Any, old: Array, start: Any, steps: Schedule, axis: int
-) -> Array:
-    """A step's rows `t` of an output's tangent written over `carry` at `start`.
+def _write_rows(carry: Array, t: Any, start: Any, steps: Schedule, axis: int) -> Array:
+    """A step's rows `t` of an output's tangent written into `carry` at `start`.
 
     A row that an overlapping last step computes again gets the mean of its two
-    copies (`old`, the carry's rows before the step), as `Schedule.merge` gives
-    it."""
+    copies (the carry's rows before the step, and `t`), as `Schedule.merge`
+    gives it."""
     assert t is not None  # an inexact output's tangent
     if steps.overlaps:
         last = steps.batch_size - steps.chunk_size
         twice = steps.num_whole * steps.chunk_size - last  # the overlap's rows
-        mean = 0.5 * (old + t)
+        old = lax.dynamic_slice_in_dim(carry, start, twice, axis)
+        mean = 0.5 * (old + lax.slice_in_dim(t, 0, twice, axis=axis))
         mixed = jnp.concatenate(
-            [
-                lax.slice_in_dim(mean, 0, twice, axis=axis),
-                lax.slice_in_dim(t, twice, None, axis=axis),
-            ],
-            axis,
+            [mean, lax.slice_in_dim(t, twice, None, axis=axis)], axis
         )
         # A scalar predicate: a residual of a step, not a chunk of them.
         t = lax.select_n(start == last, t, mixed)
@@ -453,9 +403,9 @@ def _write_over(
 
 
 def _covered(t: Array, steps: Schedule, axis: int) -> Array:
-    """A tangent written over an input's, zero in the rows that no step writes (a
-    separate remainder's, which `run_in_chunks` evaluates in a loop of its
-    own), as `Schedule.merge` leaves them."""
+    """A carried tangent, zero in the rows that no step writes (a separate
+    remainder's, which `run_in_chunks` evaluates in a loop of its own), as
+    `Schedule.merge` leaves them: the carry started from a buffer's tangent."""
     covered = steps.num_steps * steps.chunk_size
     if covered >= steps.batch_size:
         return t
@@ -483,12 +433,12 @@ def _leftover(
     buffers: list[Array],
     scanned: tuple[list[Any], list[Any]],
     loop: Schedule,
-    over: tuple[int, ...],
+    carried: tuple[int, ...],
 ) -> tuple[list[Array], list[Any], list[Any]]:
     """The leftover's rows, evaluated apart: written into `buffers`, their
     tangents after the whole chunks' (`scanned`: stacks and their probes, or for
-    the outputs at the positions `over`, a tangent written over an input's, whose
-    leftover rows are still the input's)."""
+    the outputs at the positions `carried`, a carried tangent, whose leftover rows
+    are still its spare's)."""
     inputs, t_inputs = inputs_and_tangents
     rest = loop.leftover()
     covered = loop.num_whole * loop.chunk_size
@@ -517,7 +467,7 @@ def _leftover(
             probes_out.append(None)
             continue
         # Both probes see the cotangent of the whole output.
-        if j in over:
+        if j in carried:
             t = lax.dynamic_update_slice_in_dim(t, t_last, covered, axis)
             t_rows.append(join(t, probe))
         elif which is None:

@@ -87,16 +87,22 @@ def _buffer(struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: in
 
 
 def _reuse(
-    buffers: list[Array], kinds: tuple[str | None, ...], spares: Sequence[Array]
+    buffers: list[Array],
+    kinds: tuple[str | None, ...],
+    spares: Sequence[Array],
+    carried: Sequence[int],
 ) -> list[Array]:
-    """`buffers`, each written one replaced by a spare of its exact type (no
-    tangent: its rows are all overwritten), while spares are left."""
+    """`buffers`, each written one replaced by a spare of its exact type, while
+    spares are left. Its rows are all written over, so the spare's tangent is
+    none, except for the outputs at the positions `carried`, whose tangents
+    the loop writes into the spare's (`_rule.py`, `_carried`)."""
     left = list(spares)
     out = []
-    for buf, which in zip(buffers, kinds, strict=True):
+    for j, (buf, which) in enumerate(zip(buffers, kinds, strict=True)):
         found = [i for i, x in enumerate(left) if jax.typeof(x) == jax.typeof(buf)]
         if which is None and found:
-            buf = lax.stop_gradient(left.pop(found[0]))
+            buf = left.pop(found[0])
+            buf = buf if j in carried else lax.stop_gradient(buf)
         out.append(buf)
     return out
 
@@ -160,7 +166,7 @@ def run_in_chunks(
     loop: str | None = None,
     spares: Sequence[Array] = (),
     relay: Sequence[int] = (),
-    overwrite: Sequence[int] = (),
+    carried: Sequence[int] = (),
 ) -> tuple[ChunkOutput, list[Array]]:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
@@ -183,12 +189,12 @@ def run_in_chunks(
     once they are dead, but writes a loop's carry in place: so a caller running
     loops one after another keeps the memory of the dead ones in use.
 
-    `overwrite` are positions, among the batched outputs, of written ones whose
-    tangent the loop may write over the tangent of an input of the same type, in
-    place (`_rule.py`, `_in_place`): in reverse mode the cotangent of such an
-    output becomes the input's in one buffer, where each loop of a chain would
-    otherwise make one of its own. For outputs that later loops read, not the
-    call's own.
+    `carried` are positions, among the batched outputs, of written ones whose
+    tangents ride the loop's carry (`_rule.py`, `_carried`), started from the
+    tangent of the spare written into, if any: in reverse mode each loop of a
+    chain that reads a kept value and keeps the next then passes two cotangent
+    buffers back and forth, where each would otherwise make one of its own. For
+    outputs that later loops read, not the call's own.
     """
     if options.chunk_size >= batch_size:  # one `vmap` of the batch
         # A call not split into chunks reports nothing, unless it is one of a
@@ -211,7 +217,7 @@ def run_in_chunks(
     buffers = [
         _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
     ]
-    buffers = _reuse(buffers, kinds, spares)
+    buffers = _reuse(buffers, kinds, spares, carried)
     unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
 
     # The derivative of an overlapping last step gives each copy of a recomputed
@@ -240,7 +246,7 @@ def run_in_chunks(
             found,
             kinds,
             tuple(relay),
-            tuple(overwrite),
+            tuple(carried),
         )
 
     whole = _schedule(batch_size, chunk_size, num_steps, found, relay)

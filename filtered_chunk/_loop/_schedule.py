@@ -85,9 +85,9 @@ class Schedule(eqx.Module):
     # Positions, among the leaves of the inputs, of those the loop relays: returns
     # to a later loop that reads them again (`run_in_chunks(..., relay=...)`).
     relay: tuple[int, ...] = eqx.field(static=True, default=())
-    # Positions, among the outputs, of written ones whose tangent the loop may
-    # write over an input's (`run_in_chunks(..., overwrite=...)`).
-    overwrite: tuple[int, ...] = eqx.field(static=True, default=())
+    # Positions, among the outputs, of written ones whose tangents ride carries
+    # (`run_in_chunks(..., carried=...)`).
+    carried: tuple[int, ...] = eqx.field(static=True, default=())
 
     @property
     def num_whole(self) -> int:

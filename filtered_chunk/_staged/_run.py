@@ -116,12 +116,14 @@ def _read_from(plan: Plan, level: int) -> set[Any]:
 def _relay(plan: Plan, level: int, num_batch: int) -> list[int]:
     """The positions, among the leaves of the level's loop's inputs (the call's
     `num_batch` mapped leaves, then the kept values it reads), of the kept values
-    that a later stage reads again: the loop relays them (`run_in_chunks`) and
-    the later stage reads what it relays, so that in reverse mode each kept
-    value's cotangent accumulates in one buffer, in place, through the loops
-    that read it (this folder's `README.md`)."""
-    again = _read_from(plan, level + 1)
-    return [num_batch + j for j, v in enumerate(plan.reads[level]) if v in again]
+    it reads: the loop relays them all (`run_in_chunks`). A later stage that
+    reads one again reads what the loop relays, so that in reverse mode each
+    kept value's cotangent accumulates in one buffer, in place, through the
+    loops that read it; one that no later stage reads is a spare of the next
+    loops (`_spares`), which write a kept value's tangent into its tangent, so
+    that a chain of kept values passes two cotangent buffers back and forth
+    (this folder's `README.md`)."""
+    return [num_batch + j for j in range(len(plan.reads[level]))]
 
 
 def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list[Array]:
@@ -224,13 +226,13 @@ def _pass(
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
     relay = _relay(plan, level, len(batch[0]))
-    # The kept values' tangents may be written over those of the values the loop
-    # reads, in place (`run_in_chunks(..., overwrite=...)`): after the operands'
-    # rows (a maximum's or minimum's and its carrier's, for one with tangents).
+    # The kept values' tangents ride the loop's carry, from their spares'
+    # (`run_in_chunks(..., carried=...)`): after the operands' rows (a
+    # maximum's or minimum's and its carrier's, for one with tangents).
     first = sum(2 if w not in ("gather", "sum") and c else 1 for w, _, c in operands)
-    overwrite = list(range(first, first + num_written))
+    carried = list(range(first, first + num_written))
     out, relayed = _loop(
-        plan, _chunk_fn, inputs, options, shard, level, spares, relay, overwrite
+        plan, _chunk_fn, inputs, options, shard, level, spares, relay, carried
     )
     values = list(out.batched)
     values, written = (
@@ -352,13 +354,13 @@ def _loop(
     level: int,
     spares: list[Array] | None = None,
     relay: list[int] | None = None,
-    overwrite: list[int] | None = None,
+    carried: list[int] | None = None,
 ) -> tuple[ChunkOutput, list[Array]]:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
     library's loop, reported as loop `level` of the plan's, writing into
-    `spares` where it can, and the tangents of the outputs at the positions
-    `overwrite` over its inputs'; and the mapped leaves at the positions
+    `spares` where it can, with the tangents of the outputs at the positions
+    `carried` in the loop's carry; and the mapped leaves at the positions
     `relay`, as the loop relays them."""
     positions = _positions(plan, shard)
     batch_size = positions.shape[0]
@@ -375,7 +377,7 @@ def _loop(
         loop=label,
         spares=spares or (),
         relay=relay or (),
-        overwrite=overwrite or (),
+        carried=carried or (),
     )
 
 
