@@ -224,6 +224,28 @@ def test_memory_budget_is_per_device(getkey):
     assert split_like(actual, mesh, "batch")
 
 
+def _conv(w, x):
+    # Equinox's layout, channels first; its loop binds it in XLA's CPU layout.
+    return jnp.tanh(jax.lax.conv_general_dilated(x[None], w, (1, 1), "SAME")[0])
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_convolution_gradient_on_a_sharded_batch(axis_type, getkey):
+    mesh = mesh_1d(axis_type)
+    x = put(jr.normal(getkey(), (16, 2, 5, 5)), mesh, "batch")
+    w = put(jr.normal(getkey(), (3, 2, 3, 3)), mesh)
+    chunked = fc.filter_chunked_vmap(
+        _conv, in_axes=(None, 0), chunk_size=1, spmd_axis_name="batch"
+    )
+    oracle = eqx.filter_vmap(_conv, in_axes=(None, 0))
+    grad = lambda f: jax.grad(lambda _w, _x: jnp.sum(f(_w, _x) ** 2), (0, 1))  # noqa: E731
+    expected = grad(oracle)(np.asarray(w), np.asarray(x))
+    with jax.set_mesh(mesh):
+        actual = jax.jit(grad(chunked))(w, x)
+    assert same(actual, expected)
+    assert split_like(actual[1], mesh, "batch")
+
+
 def mlp(w, x):
     return jnp.tanh(x @ w)
 

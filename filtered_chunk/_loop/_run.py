@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
+from .._convolutions import canonical_convolutions
 from .._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
 from .._jax_compat import without_const_values
 from .._jaxprs import holds_custom_vjp
@@ -149,7 +150,9 @@ def _convert(
     )
     fn = eqx.filter_closure_convert(_chunk_arrays, example)
     if hasattr(fn, "jaxpr"):
-        jaxpr = without_const_values(getattr(fn, "jaxpr"))
+        # Convolutions in the layout of XLA's fast CPU kernels, which it gives
+        # only those outside any loop (`_convolutions.py`).
+        jaxpr = canonical_convolutions(without_const_values(getattr(fn, "jaxpr")))
         fn = eqx.tree_at(lambda f: getattr(f, "jaxpr"), fn, jaxpr)
     if not shapes:  # not traced (never so for a closure, which this is)
         eqx.filter_eval_shape(_chunk_arrays, example)

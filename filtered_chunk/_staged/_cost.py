@@ -30,7 +30,7 @@ def _equation(eqn: Any) -> float:
         (contracting, _), _ = eqn.params["dimension_numbers"]  # of the lhs, rhs
         lhs = eqn.invars[0].aval.shape
         return 2.0 * out * math.prod(lhs[d] for d in contracting)
-    if name == "conv_general_dilated":
+    if name in ("conv_general_dilated", "chunked_conv_general_dilated"):
         spec = getattr(eqn.params["dimension_numbers"], "rhs_spec", None)
         rhs = eqn.invars[1].aval.shape
         # A kernel's input features and window: its shape but the output features.

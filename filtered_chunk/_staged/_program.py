@@ -26,6 +26,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from .._convolutions import in_loop
 from .._jaxprs import subjaxprs
 from .._structs import struct
 from ._analysis import axis_names, found_in, public_name, staging
@@ -56,13 +57,16 @@ def _read(env: dict[Any, Any], v: Any) -> Any:
 
 
 def bind(eqn: Any, invals: list[Any]) -> list[Any]:
-    """`eqn` applied to `invals`, as `jax.core.eval_jaxpr` does."""
+    """`eqn` applied to `invals`, as `jax.core.eval_jaxpr` does; a convolution
+    in the layout of XLA's fast CPU kernels, since the staged program runs in
+    loops (`_convolutions.py`: also the sample that a variance's shift is
+    taken from, in a `lax.while_loop` of its own)."""
     params = eqn.primitive.get_bind_params(eqn.params)
     # The mesh is where it runs (inside `shard_map`, for a sharded batch), not
     # where it was traced.
     mesh = jax.sharding.get_abstract_mesh()
     with eqn.ctx.manager, jax.sharding.use_abstract_mesh(mesh):
-        out = eqn.primitive.bind(*invals, **params)
+        out = in_loop(eqn.primitive).bind(*invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
