@@ -306,7 +306,11 @@ def _networks(name, depth, mode, quick):
                 # as many as keeping every pass's boundaries, as recomputing, or
                 # between (every few passes' boundaries kept).
                 size = f"budget of {budget / MIB:.1f} MiB"
-                layers = ("dot_general", "conv_general_dilated")
+                layers = (
+                    "dot_general",
+                    "conv_general_dilated",
+                    "chunked_conv_general_dilated",  # in the loop (_convolutions.py)
+                )
                 dots = [
                     _loops(f, params, x, names=layers)
                     for f in (fn, run(k, True), run(k, False))

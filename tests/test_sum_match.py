@@ -231,6 +231,30 @@ def test_summed_output_costs_its_own_size():
         assert large <= 1.1 * small + (4096 - 64) * 32 * 4 * grad, (grad, small, large)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU fusions")
+def test_rows_are_summed_by_a_contraction_on_cpu():
+    # With XLA's default flags, its CPU backend sums wide rows over their
+    # leading axis in a slow YNNPACK fusion (`filtered_chunk/_loop/
+    # _accumulate.py`, `sum_rows`): the loop sums rows of 2**15 elements by a
+    # contraction with ones (the function has no reduction of its own), and
+    # narrower ones by a reduction; the values and the gradient are `jax.vmap`'s.
+    f = lambda w, x: jnp.outer(jnp.tanh(x @ w), x)
+    chunked = fc.filter_chunked_vmap(
+        f, in_axes=(None, 0), out_axes=None, chunk_size=16, sum_match=True
+    )
+    w = jnp.ones((256, 128)) / 256  # rows of 128 x 256 = 2**15 elements
+    x = jnp.linspace(-1.0, 1.0, 40 * 256).reshape(40, 256)
+    grad = lambda _w, _x: jax.grad(lambda v: jnp.sum(chunked(v, _x) ** 2))(_w)  # noqa: E731
+    text = str(jax.jit(chunked).lower(w, x).compile().as_text())
+    assert " dot(" in text and " reduce(" not in text
+    narrow = str(jax.jit(chunked).lower(w[:, :8], x).compile().as_text())
+    assert " reduce(" in narrow
+    oracle = lambda _w, _x: jnp.sum(jax.vmap(f, in_axes=(None, 0))(_w, _x), 0)  # noqa: E731
+    assert tree_allclose(chunked(w, x), oracle(w, x), rtol=1e-5)
+    oracle_grad = jax.grad(lambda v: jnp.sum(oracle(v, x) ** 2))
+    assert tree_allclose(grad(w, x), oracle_grad(w), rtol=1e-5)
+
+
 def test_bad_sum_match_raises():
     with pytest.raises(TypeError):
         fc.filter_chunked_vmap(jnp.sin, sum_match="yes")  # pyright: ignore

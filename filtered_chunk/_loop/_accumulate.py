@@ -12,6 +12,7 @@ a chunk function that needs one's error or tangent carries it in a sum beside it
 (as the staged passes do for `pmax`).
 """
 
+import math
 from typing import Any
 
 import jax
@@ -47,6 +48,53 @@ def new_rows(
     return start + jnp.arange(size) >= first_new
 
 
+# Rows of at least this many elements are summed by a contraction on CPU (see
+# `sum_rows`).
+WIDE_ROWS = 2**15
+
+
+def sum_rows(rows: Array, axis: int) -> Array:
+    """`rows` summed along `axis`, in their dtype and weak type.
+
+    On CPU a floating sum of wide rows is a contraction with a vector of ones:
+    with XLA's default flags its CPU backend sums over a leading axis in a
+    YNNPACK fusion, which turns slow once each row holds 2**15 elements or more
+    (the `tanh` of 256 rows of 32,768 float32 elements summed: 27 ms against
+    15 ms; of 65,536: 85 ms against 31 ms; of 4,096 or fewer, within 10%
+    either way), and every step of a loop that accumulates (`sum_match=True`,
+    a `psum` across chunks, the tangent of either) sums its chunk's rows so
+    (per-example gradients: `benchmarks/dp_sgd.py`). Narrower rows keep
+    `jnp.sum`, which XLA fuses with what computes them, where a contraction
+    needs them in memory (the BatchNorm gradient of
+    `benchmarks/collectives.py`: 4 MiB more, the same time). Elsewhere, and
+    for integers (whose sum wraps around in their dtype), `jnp.sum`."""
+    aval = jax.typeof(rows)
+
+    def _sum(x: Array) -> Array:
+        return jnp.sum(x, axis=axis, dtype=x.dtype)
+
+    wide = math.prod(aval.shape) >= WIDE_ROWS * max(aval.shape[axis], 1)
+    if not (wide and jnp.issubdtype(aval.dtype, jnp.inexact)):
+        return _sum(rows)
+    # As `jnp.sum`, half-precision floats accumulate in float32.
+    small = aval.dtype in (jnp.bfloat16, jnp.float16)
+
+    def _contraction(x: Array) -> Array:
+        ones = jnp.ones((x.shape[axis],), x.dtype)
+        out = lax.dot_general(
+            ones,
+            x,
+            (((0,), (axis,)), ((), ())),
+            precision=lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32 if small else x.dtype,
+        )
+        return typed(out, jax.typeof(_sum(x)))
+
+    return lax.platform_dependent(
+        rows, cpu=_contraction, default=lambda x: typed(_sum(x), jax.typeof(_sum(x)))
+    )
+
+
 def reduce_rows(which: str, rows: Array, axis: int, mask: Array | None) -> Array:
     """`rows` reduced along `axis`, in their dtype, the rows outside `mask` left out."""
     if mask is not None:
@@ -57,7 +105,7 @@ def reduce_rows(which: str, rows: Array, axis: int, mask: Array | None) -> Array
     if which == "sum":
         # In the rows' dtype: `jnp.sum` promotes small integers, XLA's `psum`
         # wraps around in them. A weak type is kept (`typed` by the caller).
-        out = jnp.sum(rows, axis=axis, dtype=rows.dtype)
+        out = sum_rows(rows, axis)
     else:
         out = getattr(jnp, which)(rows, axis=axis)
     return typed(out, jax.typeof(rows))

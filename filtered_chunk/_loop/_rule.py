@@ -73,7 +73,7 @@ from jaxtyping import Array, Int, PyTree
 from .._custom_types import CheckpointSpec, InputArray, is_none
 from .._reporting import report_step
 from .._structs import inexact
-from ._accumulate import zeros_like as _zeros_like
+from ._accumulate import sum_rows, zeros_like as _zeros_like
 from ._schedule import Schedule
 from ._weak_types import (
     fork_output,
@@ -473,7 +473,7 @@ def _leftover(
         elif which is None:
             t_rows.append(join(whole.merge(t, axis, t_last), probe))
         else:  # an accumulated sum: the carry's and the leftover's rows
-            t_rows.append(join(t + jnp.sum(t_last, axis=axis), probe))
+            t_rows.append(join(t + sum_rows(t_last, axis), probe))
         probes_out.append(last_probe)
     return buffers, t_rows, probes_out
 

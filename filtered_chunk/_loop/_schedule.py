@@ -22,6 +22,7 @@ from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray
 from .._reporting import Reporter
+from ._accumulate import sum_rows
 from ._weak_types import fork, join
 
 
@@ -122,7 +123,7 @@ class Schedule(eqx.Module):
             shape = [1] * t.ndim
             shape[axis] = -1
             t = t * w.reshape(shape).astype(t.dtype)
-        return jnp.sum(t, axis=axis)
+        return sum_rows(t, axis)
 
     def starts(self) -> Int[Array, " num_steps"]:
         last = self.batch_size - self.chunk_size
