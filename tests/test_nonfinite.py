@@ -237,6 +237,44 @@ def test_infinite_derivative_of_a_recomputed_boundary(keep, chunk_size, remainde
     assert _same(jvp(chunked), jvp(oracle))
 
 
+def _read_twice_summed(x, c):
+    # `_read_twice`, and a sum over the batch of the same (`sum_match=True`).
+    y = _read_twice(x, c)
+    return y, 2.0 * y
+
+
+@pytest.mark.parametrize("remainder", REMAINDERS)
+@pytest.mark.parametrize("keep", (False, True))
+def test_infinite_derivative_with_sum_match(keep, remainder):
+    # The summed outputs' tangents come from the same loops as the mapped
+    # ones' (`_staged/_derivative.py`): recomputed, `h`'s cotangents add before
+    # `sqrt`'s derivative, as under `jax.vmap` (`nan` when the loops were
+    # differentiated one by one).
+    x = jnp.array([0.0, 1.0, 2.0, 3.0, 4.0, 0.5, 1.5])
+    c = jnp.linspace(1.0, 2.0, 7)
+    chunked = fc.filter_chunked_vmap(
+        _read_twice_summed,
+        out_axes=(0, None),
+        axis_name="i",
+        chunk_size=3,
+        remainder=remainder,
+        sum_match=True,
+        keep_boundaries=keep,
+    )
+
+    def oracle(_x, _c):
+        y, s = jax.vmap(_read_twice_summed, axis_name="i")(_x, _c)
+        return y, jnp.sum(s, axis=0)
+
+    loss = lambda f: lambda _x: jnp.sum(f(_x, c)[0]) + f(_x, c)[1]  # noqa: E731
+    assert jnp.isneginf(jax.grad(loss(oracle))(x)[0])
+    assert _same(jax.grad(loss(chunked))(x), jax.grad(loss(oracle))(x))
+    assert _same(jax.hessian(loss(chunked))(x), jax.hessian(loss(oracle))(x))
+    tangent = jnp.linspace(1.0, 2.0, 7)
+    jvp = lambda f: jax.jvp(loss(f), (x,), (tangent,))  # noqa: E731
+    assert _same(jvp(chunked), jvp(oracle))
+
+
 def _chain(x, w):
     # Three kept values in a chain, `a`, `b` and `h`, each written by a pass and
     # read by the next stage; `h`'s pass writes its tangent into that of `a`,

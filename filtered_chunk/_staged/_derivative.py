@@ -39,6 +39,7 @@ from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
 from .._sharding import across, BatchSharding
 from .._structs import inexact
+from .._summed import as_sums, merge_varying, split_varying
 from ._passes import finish, kind, strong
 from ._plan import _schedule, differentiable, Plan
 from ._program import bind
@@ -63,8 +64,9 @@ def run_differentiable(
 ) -> tuple[list[Array], list[Any]]:
     """`forward`'s outputs, the untraced unmapped ones as they are, with the
     derivatives described above where the plan recomputes what its passes
-    computed (it keeps no stage boundaries)."""
-    if plan.num_passes == 0 or sum_match or any(plan.writes.values()):
+    computed (it keeps no stage boundaries); with `sum_match`, the unmapped
+    outputs that vary over the batch summed, and their tangents too."""
+    if plan.num_passes == 0 or any(plan.writes.values()):
         out_mapped, out_unmapped, _ = forward(
             plan, consts, unmapped, batch, options, shard, sum_match
         )
@@ -79,6 +81,7 @@ def run_differentiable(
             axes=tuple(axes),
             options=options,
             shard=shard,
+            sum_match=sum_match,
         )
     return out_mapped, [
         value if untraced else x
@@ -130,9 +133,10 @@ def _staged(
     axes: tuple[int, ...],
     options: LoopOptions,
     shard: BatchSharding | None,
+    sum_match: bool,
 ) -> tuple[list[Array], list[Array]]:
     out_mapped, out_unmapped, _ = forward(
-        plan, consts, unmapped, (leaves, list(axes)), options, shard
+        plan, consts, unmapped, (leaves, list(axes)), options, shard, sum_match
     )
     return out_mapped, out_unmapped
 
@@ -146,6 +150,7 @@ def _staged_jvp(
     axes: tuple[int, ...],
     options: LoopOptions,
     shard: BatchSharding | None,
+    sum_match: bool,
 ) -> tuple[Any, Any]:
     consts, unmapped, leaves = primals
     t_consts, t_unmapped, t_leaves = tangents
@@ -153,12 +158,14 @@ def _staged_jvp(
     # Staged (`jax.jit`), as the loops always are: run on the known values of
     # a linearisation, their constants would be NumPy arrays and Python scalars.
     out_mapped, out_unmapped, results = jax.jit(
-        lambda _c, _u, _l: forward(plan, _c, _u, (_l, list(axes)), options, shard)
+        lambda _c, _u, _l: forward(
+            plan, _c, _u, (_l, list(axes)), options, shard, sum_match
+        )
     )(list(consts), list(unmapped), list(leaves))
     fixed, t_fixed = list(consts) + list(unmapped), list(t_consts) + list(t_unmapped)
     _refuse_max_min(plan, t_fixed, list(t_leaves))
     quiet = options._replace(progress_meter=None)
-    loops = _TangentLoops(plan, fixed, batch, results, quiet, shard)
+    loops = _TangentLoops(plan, fixed, batch, results, quiet, shard, sum_match)
     # Through the inputs, the results held constant.
     t_sums, t_mapped, t_unmapped_out = _jvp(
         lambda _fixed, _leaves: loops.whole(_fixed, _leaves),
@@ -203,7 +210,8 @@ class _TangentLoops:
     """The loops of the tangents above, each over this device's elements, on the
     primal values of the call (`fixed`: the program's consts and unmapped
     inputs; `batch`: its mapped leaves and their axes; `results`: the
-    collectives' results)."""
+    collectives' results). With `sum_match`, the unmapped outputs that vary
+    are summed over the batch, as the forward loop sums them."""
 
     def __init__(
         self,
@@ -213,9 +221,11 @@ class _TangentLoops:
         results: dict[int, list[Array]],
         options: LoopOptions,
         shard: BatchSharding | None,
+        sum_match: bool,
     ):
         self.plan, self.fixed, self.batch = plan, fixed, batch
         self.results, self.options, self.shard = results, options, shard
+        self.sum_match = sum_match
 
     def whole(self, fixed: list[Any], leaves: list[Array]) -> tuple[Any, ...]:
         """Every differentiated collective's accumulated operands (by equation),
@@ -256,17 +266,23 @@ class _TangentLoops:
         positions = _positions(plan, stage, ids)
         num_out = len(plan.program.jaxpr.outvars) if stage in (WHOLE, OUTPUTS) else 0
         element = _element_fn(plan, stage, fixed, results, shifts)
+        varies: list[bool] = []
 
         def _element(_m: list[Array], _p: Array) -> tuple[list[Any], ...]:
             out = element(_m, _p)
             outs = out[len(out) - num_out :] if num_out else []
-            return [out[j] for j, _ in positions], outs[:k], outs[k:]
+            rows = [out[j] for j, _ in positions]
+            if not self.sum_match:
+                return rows, outs[:k], [], outs[k:]
+            summed, unbatched, varies[:] = split_varying(outs[k:], _p)
+            return rows, outs[:k], summed, unbatched
 
         def _chunk_fn(inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
             del size
-            vmapped = jax.vmap(_element, in_axes=(batch[1], 0), out_axes=(0, 0, None))
+            out_axes = (0, 0, 0, None)
+            vmapped = jax.vmap(_element, in_axes=(batch[1], 0), out_axes=out_axes)
             try:
-                rows, mapped, unbatched = vmapped(*inputs)
+                rows, mapped, summed, unbatched = vmapped(*inputs)
             except ValueError as e:  # as the forward loop (which raised first)
                 path = batched_none_output(e)
                 if path is None or path[:1] != (2,):
@@ -274,6 +290,8 @@ class _TangentLoops:
                 raise VaryingUnmappedOutput(path[1] if len(path) > 1 else 0) from None
             kinds = [_kind(eqns[i]) for _, i in positions] + [None] * len(mapped)
             leaves = [strong(x) if w else x for x, w in zip(rows, kinds)] + list(mapped)
+            leaves += as_sums(summed)
+            kinds += ["sum"] * len(summed)
             return ChunkOutput(
                 leaves, (0,) * len(leaves), unbatched, None, tuple(kinds)
             )
@@ -281,14 +299,21 @@ class _TangentLoops:
         level = plan.num_passes + 1
         out, _ = _loop(plan, _chunk_fn, batch, self.options, self.shard, level)
         values, kinds = list(out.batched), out.kinds()
-        sums, mapped = values[: len(positions)], values[len(positions) :]
+        num_sums, num_mapped = len(positions), len(values) - len(positions)
+        num_mapped -= sum(varies)
+        sums, mapped = values[:num_sums], values[num_sums : num_sums + num_mapped]
+        summed = values[num_sums + num_mapped :]
         if self.shard is not None:  # every device's accumulators, rows gathered
             names = self.shard.axis_names
             sums = [across(w, x, names) for x, w in zip(sums, kinds, strict=False)]
+            summed = [across("sum", x, names) for x in summed]
         parts: dict[int, list[Array]] = {}
         for (_, i), x in zip(positions, sums, strict=True):
             parts.setdefault(i, []).append(x)
-        return parts, mapped, list(out.unbatched)
+        unmapped = list(out.unbatched)
+        if self.sum_match and num_out:
+            unmapped = merge_varying(varies, summed, unmapped)
+        return parts, mapped, unmapped
 
 
 def _kind(eqn: Any) -> str | None:
