@@ -88,11 +88,10 @@ def sum_rows(rows: Array, axis: int) -> Array:
             precision=lax.Precision.HIGHEST,
             preferred_element_type=jnp.float32 if small else x.dtype,
         )
-        return typed(out, jax.typeof(_sum(x)))
+        # The type `jnp.sum` gives (a weak type kept), as the other branch's.
+        return typed(out, jax.eval_shape(_sum, x))
 
-    return lax.platform_dependent(
-        rows, cpu=_contraction, default=lambda x: typed(_sum(x), jax.typeof(_sum(x)))
-    )
+    return lax.platform_dependent(rows, cpu=_contraction, default=_sum)
 
 
 def reduce_rows(which: str, rows: Array, axis: int, mask: Array | None) -> Array:

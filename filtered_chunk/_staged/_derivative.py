@@ -31,8 +31,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.extend.core as jex
-import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array
 
 from .._custom_types import ChunkOutput, LoopOptions
@@ -44,6 +42,7 @@ from ._passes import finish, kind, strong
 from ._plan import _schedule, differentiable, Plan
 from ._program import bind
 from ._run import _element_fn, _loop, _with_mapped, forward, VaryingUnmappedOutput
+from ._tangents import add_tangents, jvp_held, tangent_or_zero
 
 
 # The stages of the tangent loops: the whole program for one element (every
@@ -167,7 +166,7 @@ def _staged_jvp(
     quiet = options._replace(progress_meter=None)
     loops = _TangentLoops(plan, fixed, batch, results, quiet, shard, sum_match)
     # Through the inputs, the results held constant.
-    t_sums, t_mapped, t_unmapped_out = _jvp(
+    t_sums, t_mapped, t_unmapped_out = jvp_held(
         lambda _fixed, _leaves: loops.whole(_fixed, _leaves),
         (fixed, list(leaves)),
         (t_fixed, list(t_leaves)),
@@ -177,7 +176,7 @@ def _staged_jvp(
     for level in range(1, plan.num_passes + 1):
         through = {}
         if level > 1:
-            through = _jvp(
+            through = jvp_held(
                 lambda _r, _level=level: loops.operands(_level, _r),
                 (results,),
                 (t_results,),
@@ -185,7 +184,7 @@ def _staged_jvp(
         eqns = plan.program.jaxpr.eqns
         for i in _differentiated(plan, level):
             parts = [
-                _add(a, b)
+                add_tangents(a, b)
                 for a, b in zip(t_sums[i], through.get(i, [None] * len(t_sums[i])))
             ]
             if any(p is None for p in parts):  # no tangent reaches it
@@ -193,14 +192,15 @@ def _staged_jvp(
             t_results[i] = finish(
                 eqns[i], parts, plan.program.axis_name, plan.program.batch_size
             )
-    t_mapped_r, t_unmapped_r = _jvp(
+    t_mapped_r, t_unmapped_r = jvp_held(
         lambda _r: loops.outputs(_r), (results,), (t_results,)
     )
     t_mapped = [
-        _tangent(x, _add(a, b)) for x, a, b in zip(out_mapped, t_mapped, t_mapped_r)
+        tangent_or_zero(x, add_tangents(a, b))
+        for x, a, b in zip(out_mapped, t_mapped, t_mapped_r)
     ]
     t_unmapped_out = [
-        _tangent(x, _add(a, b))
+        tangent_or_zero(x, add_tangents(a, b))
         for x, a, b in zip(out_unmapped, t_unmapped_out, t_unmapped_r, strict=True)
     ]
     return (out_mapped, out_unmapped), (t_mapped, t_unmapped_out)
@@ -346,61 +346,3 @@ def _refuse_max_min(plan: Plan, t_fixed: list[Any], t_leaves: list[Any]) -> None
             raise NotImplementedError(
                 f"Differentiation rule for '{name}' not implemented"
             )
-
-
-def _jvp(fn: Any, primals: tuple[Any, ...], tangents: tuple[Any, ...]) -> Any:
-    """The tangents of `fn` at `primals`, where a `None` (or missing) tangent is
-    zero: that leaf is held constant, never a tangent of zeros (`0 * inf`)."""
-    leaves, treedef = jax.tree.flatten(primals)
-    t_leaves = _aligned(primals, tangents)
-    moved = [
-        j
-        for j, (x, t) in enumerate(zip(leaves, t_leaves, strict=True))
-        if t is not None and inexact(x)
-    ]
-
-    def _fn(*diff: Any) -> Any:
-        full = list(leaves)
-        for j, d in zip(moved, diff, strict=True):
-            full[j] = d
-        return fn(*jax.tree.unflatten(treedef, full))
-
-    if not moved:
-        return jax.tree.map(lambda _: None, _fn())
-    _, t_out = jax.jvp(
-        jax.jit(_fn), tuple(leaves[j] for j in moved), tuple(t_leaves[j] for j in moved)
-    )
-    return t_out
-
-
-def _aligned(primals: Any, tangents: Any) -> list[Any]:
-    """`tangents` as a list of `primals`' leaves, `None` where there is none (a
-    `None` subtree, or a key of a dict that `tangents` lacks)."""
-    if isinstance(primals, dict):
-        tangents = tangents or {}
-        # In `jax.tree`'s order of a dict's keys: sorted.
-        keys = sorted(primals)
-        return [t for key in keys for t in _aligned(primals[key], tangents.get(key))]
-    if isinstance(primals, list | tuple):
-        tangents = tangents if tangents is not None else [None] * len(primals)
-        return [
-            t for p, u in zip(primals, tangents, strict=True) for t in _aligned(p, u)
-        ]
-    if primals is None:
-        return []
-    return [tangents]
-
-
-def _add(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    if b is None or not inexact(a):
-        return a
-    return a + b
-
-
-def _tangent(x: Any, t: Any) -> Any:
-    """`t`, or the zero tangent of `x` where it has none (`float0` if not inexact)."""
-    if not inexact(x):
-        return np.zeros(np.shape(x), jax.dtypes.float0)
-    return jnp.zeros_like(x) if t is None else t
