@@ -18,7 +18,10 @@ from ._progress import (
     TextProgressMeter as TextProgressMeter,
     TqdmProgressMeter as TqdmProgressMeter,
 )
-from ._suggest import suggest_chunk_size as suggest_chunk_size
+from ._suggest import (
+    suggest_chunk_size as suggest_chunk_size,
+    suggest_chunk_sizes as suggest_chunk_sizes,
+)
 
 
 __version__ = importlib.metadata.version("filtered_chunk")

@@ -285,8 +285,8 @@ def filter_chunked_vmap(
         `fun` about once, at the cost of the boundaries' buffers (the batch size
         times the values kept per element): evaluated, those of two or three
         passes at once (a pass writes into buffers no later pass reads); under
-        reverse mode, every pass's, as residuals (their cotangents share one
-        buffer). An int `n` keeps those of every `n`-th pass only (passes `n`,
+        reverse mode, every pass's, as residuals (plus two buffers for their
+        cotangents). An int `n` keeps those of every `n`-th pass only (passes `n`,
         `2n`, ...; `1` is `True`, and an `n` beyond the number of passes keeps
         none): the passes between recompute from the latest kept values, with
         fewer buffers. `None` (the default): `False` at a fixed `chunk_size`; with

@@ -1,4 +1,5 @@
-"""`suggest_chunk_size`: the chunk size a budgeted transform would choose."""
+"""`suggest_chunk_size`: the chunk size a budgeted transform would choose;
+`suggest_chunk_sizes`: those that the budgeted calls of a whole program choose."""
 
 from collections.abc import Callable
 from typing import Any
@@ -7,7 +8,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._budget import ChunkSizeChoice
+from ._budget import ChunkSizeChoice, marked_in
 from ._wrapper import Chunked
 
 
@@ -41,7 +42,9 @@ def suggest_chunk_size(
     earlier process), or the speed model, with its figures (`element_bytes`,
     `cache_bytes`, `working_set`). The search is the one a call makes (for the
     program without differentiation) and shares its cache: the call compiles
-    nothing more to choose.
+    nothing more to choose. Under `jax.grad` the call chooses for the
+    differentiated program, usually a smaller size: ask
+    [`filtered_chunk.suggest_chunk_sizes`][] about the function you run.
 
     !!! example
 
@@ -84,3 +87,64 @@ def suggest_chunk_size(
             "mapped, or the batch is empty), so there is no chunk size to choose."
         )
     return found[0]
+
+
+def suggest_chunk_sizes(
+    fun: Callable[..., Any], /, *args: Any, **kwargs: Any
+) -> tuple[ChunkSizeChoice, ...]:
+    """Reports the chunk sizes that the budgeted chunked calls inside `fun` choose
+    when `fun` runs with these arguments, without running it: one
+    [`filtered_chunk.ChunkSizeChoice`][] for each, as the program that runs
+    makes it, under the transformations that `fun` applies around the call
+    (`jax.grad`, `jax.value_and_grad`, `jax.jvp`, `jax.vmap`, `jax.jit`, a
+    whole training step).
+
+    A budget measures the program that runs, so the size differs with the
+    transformation: under `jax.grad` the call holds its residuals and
+    cotangents too, and usually chooses a smaller size than
+    [`filtered_chunk.suggest_chunk_size`][] reports for evaluating the same
+    call. To fix the number once, ask the program you run.
+
+    **Arguments:**
+
+    - `fun`: any function, as you would call it (jitted or not). It is traced
+        once (`equinox.filter_make_jaxpr`), never run: each budgeted call inside
+        it chooses its chunk size as on a first call (compiling, and by default on
+        CPU timing, what it measures) or reuses the choice already made in this
+        process.
+    - `*args`, `**kwargs`: what `fun` would be called with. Arrays may be given as
+        `jax.ShapeDtypeStruct`s. Leaves that are not arrays are passed as they
+        are.
+
+    **Returns:**
+
+    A tuple of [`filtered_chunk.ChunkSizeChoice`][], one for each distinct
+    choice of the budgeted calls that `fun` makes, in the order of their first
+    operations in its program; empty if it makes none (a call with nothing to
+    split makes no choice).
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import filtered_chunk as fc
+
+        def f(w, x):
+            return jnp.tanh(jnp.outer(x, x) @ w) @ x
+
+        # `tune=False`: the speed model's size, without timing (see `MemoryBudget`).
+        budget = fc.MemoryBudget("8MiB", tune=False)
+        chunked = fc.filter_chunked_vmap(f, in_axes=(None, 0), chunk_size=budget)
+        loss = lambda w, xs: jnp.sum(chunked(w, xs) ** 2)
+        w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+        xs = jax.ShapeDtypeStruct((4_096, 64), jnp.float32)
+        (evaluated,) = fc.suggest_chunk_sizes(loss, w, xs)
+        (differentiated,) = fc.suggest_chunk_sizes(jax.jit(jax.grad(loss)), w, xs)
+        print(evaluated.chunk_size, differentiated.chunk_size)
+        # The size to fix for the training step is the second.
+        assert differentiated.bytes <= differentiated.budget
+        ```
+    """
+    jaxpr = eqx.filter_make_jaxpr(fun)(*args, **kwargs)[0]
+    return tuple(marked_in(jaxpr.jaxpr))

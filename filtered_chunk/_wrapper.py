@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
 
 import equinox as eqx
+import jax
 import numpy as np
 from jaxtyping import PyTree
 
@@ -25,6 +26,7 @@ from ._budget import (
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
     keep_if_fits,
+    mark,
     measure_bytes,
     MemoryBudget,
     normalise_chunk_size,
@@ -198,13 +200,16 @@ class Chunked(eqx.Module):
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         bound = self._plan.bind(self._fun, self._options, args, kwargs)
         chunk_size, chunked = self._options.chunk_size, self
+        scope = contextlib.nullcontext()
         if self.budget is not None:
             choice = self._choose(bound)
             chunk_size = None if choice is None else choice.chunk_size
             if choice is not None:
                 chunked = self._keeping(choice.keep_boundaries)
+                # Marked in the program, for `suggest_chunk_sizes`.
+                scope = jax.named_scope(mark(choice))
         reporting = is_reporting(self._options.progress_meter)
-        with closing_on_error() if reporting else contextlib.nullcontext():
+        with closing_on_error() if reporting else contextlib.nullcontext(), scope:
             return chunked._dispatch(bound, chunk_size)
 
     def _dispatch(self, bound: Bound, chunk_size: int | None) -> Any:

@@ -224,6 +224,40 @@ def test_memory_budget_is_per_device(getkey):
     assert split_like(actual, mesh, "batch")
 
 
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+def test_reported_size_of_a_sharded_training_step(axis_type, getkey):
+    # `fc.suggest_chunk_sizes` of the jitted gradient on a sharded batch: the
+    # size per device that the step runs, whose program fits the budget.
+    mesh = mesh_1d(axis_type)
+    x = put(jr.normal(getkey(), (8 * 64, 32)), mesh, "batch")
+    w = put(jr.normal(getkey(), (32, 32)) / 6, mesh)
+    f = lambda _w, v: jnp.tanh(jnp.outer(v, v) @ _w) @ v
+
+    def step(k: Any) -> Any:
+        chunked = fc.filter_chunked_vmap(
+            f, in_axes=(None, 0), chunk_size=k, spmd_axis_name="batch"
+        )
+        return jax.jit(jax.grad(lambda _w, _x: jnp.sum(chunked(_w, _x) ** 2)))
+
+    def bytes_at(k: Any) -> int:
+        with jax.set_mesh(mesh):
+            analysis = step(k).lower(w, x).compile().memory_analysis()
+        assert analysis is not None
+        return analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+
+    budget = (bytes_at(1) + bytes_at(None)) // 2
+    budgeted = step(fc.MemoryBudget(budget, tune=False))
+    with jax.set_mesh(mesh):
+        (choice,) = fc.suggest_chunk_sizes(budgeted, w, x)
+        actual = budgeted(w, x)
+    assert 1 < choice.chunk_size < 64 and choice.budget == budget
+    assert bytes_at(choice.chunk_size) <= budget
+    expected = jax.grad(lambda _w, _x: jnp.sum(jax.vmap(f, (None, 0))(_w, _x) ** 2))(
+        np.asarray(w), np.asarray(x)
+    )
+    assert same(actual, expected)
+
+
 def _conv(w, x):
     # Equinox's layout, channels first; its loop binds it in XLA's CPU layout.
     return jnp.tanh(jax.lax.conv_general_dilated(x[None], w, (1, 1), "SAME")[0])

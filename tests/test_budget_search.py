@@ -221,7 +221,10 @@ def test_repeated_calls_compile_nothing_for_the_search(getkey):
         choice = fc.suggest_chunk_size(chunked, x)
     # One more where the speed model caps the size below the largest that fits.
     capped = choice.chunk_size < choice.largest
-    assert 3 <= len(first) <= 8 + capped and len(first) == len(choice.tried)
+    assert 3 <= len(choice.tried) <= 8 + capped
+    # On CPU a program with YNNPACK fusions compiles once more, to count every
+    # buffer (`memory_counted`).
+    assert len(choice.tried) <= len(first) <= 2 * len(choice.tried)
     with count_compiles() as again:
         assert fc.suggest_chunk_size(chunked, x) == choice
     assert len(again) == 0

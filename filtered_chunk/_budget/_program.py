@@ -29,7 +29,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._eager import program_key
-from .._jax_compat import transformations_tracing
+from .._jax_compat import memory_counted, transformations_tracing
 from .._structs import struct
 from . import _timing
 
@@ -153,7 +153,14 @@ class Measured:
 def _struct(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    if isinstance(x, jax.core.Tracer):
+        # Explicit-sharding mode puts the sharding in the type, under `jax.jit`
+        # too: the program is split as the call's (`shard_map` over the batch).
+        sharding = getattr(jax.typeof(x), "sharding", None)
+        explicit = getattr(getattr(sharding, "mesh", None), "explicit_axes", ())
+        split = explicit and any(e is not None for e in getattr(sharding, "spec", ()))
+        return struct(x, sharding=sharding if split else None)
+    concrete = isinstance(x, jax.Array)
     # A concrete array split over devices: per-device bytes, as the call runs.
     split = concrete and len(x.sharding.device_set) > 1
     return struct(x, sharding=x.sharding if split else None)
@@ -205,18 +212,16 @@ class ChunkedProgram:
         self, k: int | None, linearize: bool = False
     ) -> tuple[Measured, Callable[[], Any]]:
         """The bytes of the call at `k` as the transformations run it (reverse mode as a
-        linearisation if `linearize`), and a run of it on example arguments."""
+        linearisation if `linearize`; every buffer counted: `memory_counted`), and
+        a run of it on example arguments."""
         closed = self.trace(k)
         consts, n = list(closed.consts), len(closed.consts)
         layers = layers_of([*consts, *self.leaves])
         _forward = lambda _x: jax.core.eval_jaxpr(closed.jaxpr, _x[:n], *_x[n:])
         structs = [_struct(x) for x in consts] + self.structs
         fn, structs, fed = transformed(_forward, structs, layers, linearize)
-        compiled = jax.jit(fn).lower(structs).compile()
-        analysis = compiled.memory_analysis()
-        assert analysis is not None
-        temp, output = analysis.temp_size_in_bytes, analysis.output_size_in_bytes
-        measured = Measured(int(temp), int(output), fed)
+        compiled, (temp, output) = memory_counted(jax.jit(fn).lower(structs))
+        measured = Measured(temp, output, fed)
 
         @ft.cache  # made on the first run
         def _arguments() -> list[Any]:
