@@ -70,7 +70,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 hypothesis.settings.register_profile("dev", max_examples=25, deadline=None)
 hypothesis.settings.register_profile(
-    "ci", max_examples=60, deadline=None, print_blob=True
+    "ci", max_examples=40, deadline=None, print_blob=True
 )
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
