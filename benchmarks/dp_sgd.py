@@ -2,7 +2,6 @@
 
     python benchmarks/dp_sgd.py           # full: benchmarks/results/dp_sgd.{md,json}
     python benchmarks/dp_sgd.py --quick   # CI: small sizes, a temporary folder
-    python benchmarks/dp_sgd.py --xla-default  # YNNPACK fusion on: a temporary folder
 
 The workload: an MLP 32 -> 256 -> 256 -> 1 (tanh, no biases: 73,984 parameters)
 with a squared-error loss, on N = 4,096 examples; each example's gradient is
@@ -32,10 +31,10 @@ Time: after a warm-up, interleaved rounds (the order rotating each round); the
 median time per method, and its ratio to `jax.vmap`, the median over rounds of
 the same round's ratio. On a shared machine read the ratios as +-10-30%.
 
-XLA's CPU backend runs some fusions through YNNPACK, whose scratch memory
-`memory_analysis()` does not count, and which here sums the per-example
-gradients over the batch axis about 30x slower than XLA's own loops: the fusion
-is turned off, as in `collectives.py`, unless `--xla-default` is given.
+XLA's flags are its defaults, as users run it (the table says what the
+environment set). The memory is that of each program compiled with XLA's
+YNNPACK fusions off, whose scratch `memory_analysis()` does not count
+(`_measure.compile_fn(..., count_all=True)`); the program timed is the default one.
 """
 
 import argparse
@@ -51,14 +50,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-
-# Read before JAX is imported: XLA reads its flags once.
-XLA_DEFAULT = "--xla-default" in sys.argv
-if not XLA_DEFAULT:
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_cpu_experimental_ynn_fusion_type="
-    )
 
 import equinox as eqx  # noqa: E402
 import jax  # noqa: E402
@@ -224,7 +215,7 @@ def _max_rel_error(out: Any, ref: Any) -> float:
 def _compile(name: str, chunk_size: int, args: tuple[Any, ...]) -> tuple[Row, Any]:
     """`name`'s memory row and executable, or a row saying why it is missing."""
     try:
-        compiled = compile_fn(METHODS[name](chunk_size), *args)
+        compiled = compile_fn(METHODS[name](chunk_size), *args, count_all=True)
     except (ModuleNotFoundError, TypeError) as error:
         reason = _unavailable(name, error)
         if reason is None:
@@ -264,7 +255,7 @@ def measure(
             row["time_s"] = statistics.median(own)
             row["times_s"] = [round(t, 6) for t in own]
             row["time_vs_vmap"] = statistics.median(a / b for a, b in zip(own, base))
-    one_chunk = compile_fn(_vmap(chunk_size), *_args(chunk_size))
+    one_chunk = compile_fn(_vmap(chunk_size), *_args(chunk_size), count_all=True)
     return {
         "rows": rows,
         "one_chunk_temp_bytes": one_chunk.temp_bytes,
@@ -344,16 +335,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
     parser.add_argument("--out", type=Path, help="folder for the table and JSON")
-    parser.add_argument(
-        "--xla-default", action="store_true", help="keep XLA's YNNPACK fusion"
-    )
     parser.add_argument("--repeats", type=int, help="timed rounds (default 15)")
     options = parser.parse_args()
     start = time.perf_counter()
     n, k, warmup, repeats = (512, 128, 1, 3) if options.quick else (4096, 256, 2, 15)
     repeats = options.repeats or repeats
     command = "python benchmarks/dp_sgd.py" + (" --quick" if options.quick else "")
-    command += " --xla-default" if options.xla_default else ""
     command += f" --repeats {options.repeats}" if options.repeats else ""
     meta = _meta(command, n, k) | {"warmup": warmup, "repeats": repeats}
     results: dict[str, Any] = {"meta": meta} | measure(n, k, warmup, repeats)
@@ -361,7 +348,7 @@ def main() -> int:
         "runtime_s": time.perf_counter() - start,
         "load_after": round(os.getloadavg()[0], 2),
     }
-    default = options.quick or options.xla_default or options.repeats
+    default = options.quick or options.repeats
     out = options.out or (
         Path(tempfile.mkdtemp(prefix="fc_dp_sgd_")) if default else RESULTS
     )

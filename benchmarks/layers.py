@@ -12,22 +12,28 @@ element against the whole batch (the batch closed over), a real FFT, a GRU over
 32 steps (an inner `lax.scan`), and a sort. Each runs evaluated and under
 `jax.grad` of `sum(out ** 2)` w.r.t. the parameters, as `jax.vmap`, as
 `jax.lax.map(batch_size=k)` and as `filter_chunked_vmap(chunk_size=k)`, at `k`
-of 64, 256 and 1,024. Every result is checked against `jax.vmap`'s first (the
-largest difference at most 1e-4 of its largest value); a mismatch exits
-non-zero.
+of 64, 256 and 1,024, and at the default budget's choice (`chunk_size="auto"`,
+searched afresh: its store is a temporary folder). Under `jax.grad` one more
+column, `checkpoint=False` at 256, shows what rematerialising each chunk costs
+where the forward pass dominates (sort, FFT, the pairwise kernel): it keeps
+every chunk's residuals, as `lax.map` does. Every result is checked against
+`jax.vmap`'s first (the largest difference at most 1e-4 of its largest value);
+a mismatch exits non-zero.
 
 Time: after a warm-up, interleaved rounds, each timing every program of the
 kind and mode once (the median of three calls); a program's ratio is the
 median over rounds of its time over `jax.vmap`'s in the same round. Memory:
-XLA's temporaries plus outputs from `memory_analysis()`. XLA's flags are its
-defaults (`XLA_FLAGS` is not set here); the table's header says what the
-environment set.
+XLA's temporaries plus outputs from `memory_analysis()`, of the program compiled
+with YNNPACK's fusions off, whose scratch it does not count
+(`_measure.compile_fn(..., count_all=True)`). XLA's flags are its defaults
+(`XLA_FLAGS` is not set here); the table's header says what the environment set.
 """
 
 import argparse
 import datetime
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +51,8 @@ import filtered_chunk as fc
 
 
 Kind = Callable[[Any, int], tuple[Callable[[Any, Any], Any], Any, Any]]
+DEFAULT = 'chunked "auto"'
+NO_REMAT = "chunked, checkpoint=False,"
 
 
 def _mlp(key, n):
@@ -156,7 +164,14 @@ def _programs(fun, params, x, sizes, mode):
         maps[f"chunked {k}"] = lambda p, _x, k=k: fc.filter_chunked_vmap(
             element, in_axes=(None, 0), chunk_size=k
         )(p, _x)
+    maps[DEFAULT] = lambda p, _x: fc.filter_chunked_vmap(
+        element, in_axes=(None, 0), chunk_size="auto"
+    )(p, _x)
     if mode == "grad":
+        k = sizes[len(sizes) // 2]
+        maps[f"{NO_REMAT} {k}"] = lambda p, _x: fc.filter_chunked_vmap(
+            element, in_axes=(None, 0), chunk_size=k, checkpoint=False
+        )(p, _x)
         maps = {
             name: jax.grad(lambda p, _x, f=f: jnp.sum(f(p, _x) ** 2))
             for name, f in maps.items()
@@ -185,7 +200,9 @@ def _time(fn, *args):
 def _measure(name, kind, mode, n, sizes, rounds, quick):
     fun, params, x = kind(jr.key(0), n)
     maps, params = _programs(fun, params, x, sizes, mode)
-    compiled = {label: compile_fn(f, params, x) for label, f in maps.items()}
+    compiled = {
+        label: compile_fn(f, params, x, count_all=True) for label, f in maps.items()
+    }
     expected = compiled["jax.vmap"].executable(params, x)
     for label, c in compiled.items():
         if not _close(c.executable(params, x), expected):
@@ -212,6 +229,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     n, sizes, rounds = (64, (16,), 1) if args.quick else (2048, (64, 256, 1024), 5)
+    # The default budget's first calls are first ever, as on a fresh machine.
+    os.environ["FILTERED_CHUNK_CACHE_DIR"] = tempfile.mkdtemp(prefix="fc_choices_")
     start = time.perf_counter()
     rows = []
     for name, kind in KINDS.items():
@@ -222,6 +241,7 @@ def main() -> None:
     if args.quick:
         return
     labels = ["jax.vmap"] + [f"{m} {k}" for k in sizes for m in ("lax.map", "chunked")]
+    labels += [DEFAULT, f"{NO_REMAT} {sizes[len(sizes) // 2]}"]
     header = "| kind | mode | " + " | ".join(f"`{label}`" for label in labels) + " |"
     now = datetime.datetime.now(datetime.UTC)
     machine = cpu_model()
@@ -242,8 +262,9 @@ def main() -> None:
         for mode in ("evaluate", "grad"):
             cells = [
                 f"{by[name, mode, label][3]:.2f}x, {by[name, mode, label][4]:.1f}"
-                for label in labels
                 if (name, mode, label) in by
+                else ""
+                for label in labels
             ]
             lines.append(f"| {name} | {mode} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
