@@ -73,7 +73,7 @@ def _as_names(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
 
 
-def _leaf_sharding(x: Any) -> NamedSharding | None:
+def leaf_sharding(x: Any) -> NamedSharding | None:
     """The sharding JAX shows for `x` while tracing, if it is a named one."""
     if isinstance(x, jax.core.Tracer):
         # Only explicit-sharding mode puts the sharding in the type; in auto mode
@@ -123,7 +123,7 @@ def find_batch_sharding(
     leaves = dict(jtu.tree_leaves_with_path(tree))
     meshes, split = [], {}
     for path, axis in jtu.tree_leaves_with_path(in_axes):
-        sharding = _leaf_sharding(leaves[path])
+        sharding = leaf_sharding(leaves[path])
         if sharding is None or sharding.mesh.empty:
             continue
         meshes.append(sharding.mesh)
@@ -179,7 +179,7 @@ def _check_names(
 def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeStruct:
     """One device's shard of `x`, keeping its explicit sharding over other axes."""
     size = np.shape(x)[axis] // sharding.num_devices
-    current = _leaf_sharding(x)
+    current = leaf_sharding(x)
     local = None
     if current is not None and current.mesh.explicit_axes:
         entries = _without(sharding, current.spec, np.ndim(x))
@@ -337,7 +337,7 @@ def _conform(sharding: BatchSharding, axis: int | None, x: Any) -> Any:
 
     In auto mode `shard_map` reshards by itself (and types do not show shardings).
     """
-    current = _leaf_sharding(x)
+    current = leaf_sharding(x)
     if current is None or not current.mesh.explicit_axes:
         return x
     old = _entries(current.spec, np.ndim(x))

@@ -12,6 +12,7 @@ same marks, so the report is the one of the program that runs either way.
 import re
 from typing import Any
 
+from .._jaxprs import subjaxprs
 from ._values import ChunkSizeChoice
 
 
@@ -48,7 +49,5 @@ def _collect(jaxpr: Any, found: dict[int, None], seen: set[int]) -> None:
         for number in _PATTERN.findall(str(eqn.source_info.name_stack)):
             found.setdefault(int(number))
         for value in eqn.params.values():
-            for sub in value if isinstance(value, tuple | list) else (value,):
-                sub = getattr(sub, "jaxpr", sub)  # a `ClosedJaxpr`'s own
-                if hasattr(sub, "eqns"):
-                    _collect(sub, found, seen)
+            for sub in subjaxprs(value):
+                _collect(sub, found, seen)

@@ -30,6 +30,7 @@ from jaxtyping import PyTree
 
 from .._eager import program_key
 from .._jax_compat import memory_counted, transformations_tracing
+from .._sharding import leaf_sharding
 from .._structs import struct
 from . import _timing
 
@@ -156,9 +157,10 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     if isinstance(x, jax.core.Tracer):
         # Explicit-sharding mode puts the sharding in the type, under `jax.jit`
         # too: the program is split as the call's (`shard_map` over the batch).
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        explicit = getattr(getattr(sharding, "mesh", None), "explicit_axes", ())
-        split = explicit and any(e is not None for e in getattr(sharding, "spec", ()))
+        sharding = leaf_sharding(x)
+        if sharding is None or not sharding.mesh.explicit_axes:
+            return struct(x)
+        split = any(entry is not None for entry in sharding.spec)
         return struct(x, sharding=sharding if split else None)
     concrete = isinstance(x, jax.Array)
     # A concrete array split over devices: per-device bytes, as the call runs.
