@@ -69,6 +69,7 @@ from _measure import compile_fn, CompileCounter, MIB
 from _workloads import Sizes, Workload, workloads
 
 import filtered_chunk as fc
+import filtered_chunk._budget._choose as choose_module
 import filtered_chunk._budget._search as search_module
 import filtered_chunk._budget._store as store_module
 import filtered_chunk._budget._timing as timing_module
@@ -300,7 +301,7 @@ def _clear_cache(store: bool = True) -> None:
     """Forgets the choices made: in memory (as a new process would), and with
     `store` also on disk."""
     search_module._measured.clear()
-    search_module._chosen.clear()
+    choose_module._chosen.clear()
     folder = store_module.directory()
     if store and folder is not None:
         for entry in folder.glob("*.json"):
@@ -373,7 +374,7 @@ def _search_cost(
         row[f"{name}_call_compiles"] = after[1] - before[1]
         row[f"{name}_compile_s"] = after[2] - before[2]
         if name == "first":
-            (row["choice"],) = search_module._chosen.values()
+            (row["choice"],) = choose_module._chosen.values()
             row["out"] = out
     row["search_compiles"] = row["first_call_compiles"] - row["repeat_call_compiles"]
     # Compile times vary run to run: the difference can dip below zero.
@@ -381,7 +382,7 @@ def _search_cost(
     # The search's share of the first call: compiling, and timing if it times.
     row["search_s"] = max(row["first_call_s"] - row["repeat_call_s"], 0)
     row["stored_search_s"] = max(row["stored_call_s"] - row["repeat_call_s"], 0)
-    (stored,) = search_module._chosen.values()
+    (stored,) = choose_module._chosen.values()
     row["stored_same"] = stored.chunk_size == row["choice"].chunk_size
     return row
 

@@ -224,3 +224,12 @@ def memory_counted(lowered: Any) -> tuple[Any, tuple[int, int]]:
                 _counting[0] = False
     both = [(int(a.temp_size_in_bytes), int(a.output_size_in_bytes)) for a in counts]
     return compiled, max(both, key=sum)
+
+
+def distributed_client() -> Any:
+    """The client of `jax.distributed`'s key-value store (`None` before
+    `jax.distributed.initialize`), through which processes agree on a budget's
+    choice (`_budget/_hosts.py`): what `jax.experimental.multihost_utils` uses."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

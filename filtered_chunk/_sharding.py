@@ -21,7 +21,7 @@ user names the mesh axis with `spmd_axis_name` (and the mesh comes from
 
 import functools as ft
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple, TypeAlias
 
 import equinox as eqx
@@ -84,6 +84,49 @@ def leaf_sharding(x: Any) -> NamedSharding | None:
     else:
         return None
     return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def on_devices(structs: list[Any], xs: Iterable[Any]) -> list[Any]:
+    """`structs` as a budget compiles them alone, outside the trace they come from:
+    where no mesh is set (`jax.set_mesh`) but the types of `xs` name one (tracers of
+    sharded arrays under `jax.jit` carry its abstract mesh, and so does every
+    operation traced on them), on a concrete mesh of that shape (a struct's own,
+    else this backend's first devices), replicated where they name no sharding:
+    XLA compiles a program that names a mesh only for devices. The bytes a device
+    needs do not depend on which devices they are."""
+    if not jax.sharding.get_abstract_mesh().empty:  # set: its devices are known
+        return structs
+    meshes = [
+        getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None) for x in xs
+    ]
+    named = [m for m in meshes if isinstance(m, AbstractMesh) and not m.empty]
+    if not named or named[0].manual_axes:
+        return structs
+    abstract = named[0]
+    concrete = [
+        s.sharding.mesh
+        for s in structs
+        if isinstance(s.sharding, NamedSharding) and isinstance(s.sharding.mesh, Mesh)
+    ]
+    if concrete:
+        mesh = concrete[0]
+    else:
+        devices = np.array(jax.devices()[: abstract.size]).reshape(abstract.axis_sizes)
+        mesh = Mesh(devices, abstract.axis_names, axis_types=abstract.axis_types)
+
+    def _on(s: Any) -> Any:
+        sharding = s.sharding
+        if sharding is None:
+            sharding = NamedSharding(mesh, P())
+        elif isinstance(sharding, NamedSharding) and sharding.mesh == abstract:
+            sharding = NamedSharding(mesh, sharding.spec)
+        else:
+            return s
+        return jax.ShapeDtypeStruct(
+            s.shape, s.dtype, weak_type=s.weak_type, sharding=sharding
+        )
+
+    return [_on(s) for s in structs]
 
 
 def _split_names(sharding: NamedSharding, axis: int) -> tuple[str, ...]:

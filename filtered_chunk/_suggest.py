@@ -108,7 +108,7 @@ def suggest_chunk_sizes(
     **Arguments:**
 
     - `fun`: any function, as you would call it (jitted or not). It is traced
-        once (`equinox.filter_make_jaxpr`), never run: each budgeted call inside
+        once (as `equinox.filter_make_jaxpr` does), never run: each budgeted call inside
         it chooses its chunk size as on a first call (compiling, and by default on
         CPU timing, what it measures) or reuses the choice already made in this
         process.
@@ -146,5 +146,13 @@ def suggest_chunk_sizes(
         assert differentiated.bytes <= differentiated.budget
         ```
     """
-    jaxpr = eqx.filter_make_jaxpr(fun)(*args, **kwargs)[0]
-    return tuple(marked_in(jaxpr.jaxpr))
+    # As `equinox.filter_make_jaxpr`, which warns of a `jax.jit` of a Module (the
+    # transform itself) held as a callable: nothing here is updated.
+    traced = lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    dynamic, static = eqx.partition((args, kwargs), traced)
+
+    def _traced(_dynamic: Any) -> Any:
+        _args, _kwargs = eqx.combine(_dynamic, static)
+        return eqx.filter(fun(*_args, **_kwargs), eqx.is_array)
+
+    return tuple(marked_in(jax.make_jaxpr(_traced)(dynamic).jaxpr))

@@ -22,6 +22,7 @@ from jaxtyping import PyTree
 from ._axes import batch_size_of, bind_arguments, check_spec, normalise_in_axes
 from ._boundary import api_boundary
 from ._budget import (
+    Budgeted,
     choose_chunk_size,
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
@@ -30,6 +31,7 @@ from ._budget import (
     measure_bytes,
     MemoryBudget,
     normalise_chunk_size,
+    program_bytes,
 )
 from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
@@ -180,15 +182,24 @@ class Chunked(eqx.Module):
                 choice, passes=passes, boundary_bytes=kept_bytes, work=work
             )
 
+        def _confirm(choice: ChunkSizeChoice) -> int:
+            # The bytes of the program a choice runs, as compiled.
+            k = None if choice.chunk_size >= size else choice.chunk_size
+            kept = (self._keeping(choice.keep_boundaries), bound.tree)
+            return program_bytes(_run, kept, k)
+
         return choose_chunk_size(
-            _run,
-            (self._keeping(False if keep is None else keep), bound.tree),
-            batch_size=size,
-            budget=budget,
-            remainder=o.remainder,
-            options=options,
-            api=o.api,
-            refine=_refine,
+            Budgeted(
+                _run,
+                (self._keeping(False if keep is None else keep), bound.tree),
+                batch_size=size,
+                budget=budget,
+                remainder=o.remainder,
+                options=options,
+                api=o.api,
+                refine=_refine,
+                confirm=_confirm,
+            )
         )
 
     def _keeping(self, keep: bool | int) -> "Chunked":

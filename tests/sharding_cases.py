@@ -258,6 +258,34 @@ def test_reported_size_of_a_sharded_training_step(axis_type, getkey):
     assert same(actual, expected)
 
 
+def test_budget_under_jit_without_a_mesh_set(getkey):
+    # In explicit mode, tracers of arrays on a mesh carry its abstract mesh, and
+    # so does every operation traced on them: the budget's programs, compiled
+    # alone, are put on devices of that shape (under `jax.jit` without
+    # `jax.set_mesh` this once raised "only AbstractMesh exists in a jitted
+    # computation"). In auto mode the split is not seen under `jit` without a
+    # mesh set: `spmd_axis_name` needs `jax.set_mesh` (see the docs).
+    mesh = mesh_1d(EXPLICIT)
+    x = put(jr.normal(getkey(), (8 * 64, 32)), mesh, "batch")
+    w = put(jr.normal(getkey(), (32, 32)) / 6, mesh)
+    f = lambda _w, v: jnp.tanh(jnp.outer(v, v) @ _w) @ v
+    loss = lambda run: lambda _w, _x: jnp.sum(run(_w, _x) ** 2)
+    whole = jax.jit(jax.grad(loss(jax.vmap(f, (None, 0))))).lower(w, x).compile()
+    analysis = whole.memory_analysis()
+    assert analysis is not None
+    budget = (analysis.temp_size_in_bytes + analysis.output_size_in_bytes) // 4
+    chunked = fc.filter_chunked_vmap(
+        f, in_axes=(None, 0), chunk_size=fc.MemoryBudget(budget, tune=False)
+    )
+    for step in (jax.jit(chunked), jax.jit(jax.grad(loss(chunked)))):
+        (choice,) = fc.suggest_chunk_sizes(step, w, x)
+        assert choice.bytes <= budget
+    expected = jax.vmap(f, (None, 0))(np.asarray(w), np.asarray(x))
+    assert same(jax.jit(chunked)(w, x), expected)
+    expected = jax.grad(loss(jax.vmap(f, (None, 0))))(np.asarray(w), np.asarray(x))
+    assert same(jax.jit(jax.grad(loss(chunked)))(w, x), expected)
+
+
 def _conv(w, x):
     # Equinox's layout, channels first; its loop binds it in XLA's CPU layout.
     return jnp.tanh(jax.lax.conv_general_dilated(x[None], w, (1, 1), "SAME")[0])

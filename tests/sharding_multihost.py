@@ -55,6 +55,7 @@ def main(process_id: int, port: int) -> None:
     for shard in grad.addressable_shards:
         np.testing.assert_allclose(shard.data, expected_grad, rtol=1e-5)
     check_progress(process_id, f, w, x)
+    check_budget(process_id, mesh)
     jax.distributed.shutdown()
     print("OK", flush=True)
 
@@ -82,6 +83,46 @@ def check_progress(process_id: int, f, w, x) -> None:
     jax.block_until_ready(metered(w, x))
     expected = [("open", 20), 8, 16, 20, "close"] if process_id == 0 else []
     assert COUNTS == expected, COUNTS
+
+
+def check_budget(process_id: int, mesh) -> None:
+    """One choice on both processes, for the smaller free memory: at
+    `MemoryBudget(0.5)` process 1 has room for half the whole batch's gradient
+    program, process 0 for all of it."""
+    from filtered_chunk._budget import _values
+
+    rows = np.linspace(-1.0, 1.0, 20 * 128, dtype=np.float32).reshape(20, 128)
+    x = jax.make_array_from_callback(
+        rows.shape, NamedSharding(mesh, P("batch")), rows.__getitem__
+    )
+    f = lambda v: jnp.tanh(jnp.outer(v, v)) @ v  # 64 KiB of working set each
+    step = lambda chunked: jax.jit(jax.grad(lambda _x: jnp.sum(chunked(_x) ** 2)))
+    everything = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget(2**40))
+    (whole,) = fc.suggest_chunk_sizes(step(everything), x)
+    assert whole.chunk_size == 5, whole  # 5 elements a device
+    free = 8 * whole.bytes if process_id == 0 else whole.bytes
+    _values.available_bytes = lambda device=None: free
+    chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget(0.5))
+    grad = step(chunked)(x)
+    expected = jax.grad(lambda v: jnp.sum(f(v) ** 2))
+    for shard in grad.addressable_shards:
+        for i, row in zip(range(20)[shard.index[0]], shard.data):
+            np.testing.assert_allclose(row, expected(rows[i]), rtol=1e-4, atol=1e-6)
+    (choice,) = fc.suggest_chunk_sizes(step(chunked), x)
+    # Process 1's budget (half the whole's), never timed across processes.
+    assert choice.budget <= whole.bytes // 2 < choice.budget * 33 / 32, choice
+    assert choice.bytes <= choice.budget and choice.chunk_size < 5, choice
+    assert choice.model == "cache", choice
+    print("CHOICE", choice.chunk_size, choice.bytes, choice.budget, flush=True)
+    # A refusal on one process is a refusal on both; `tune=True` is refused.
+    _values.available_bytes = lambda device=None: 1 if process_id else 2**40
+    for refused in (fc.MemoryBudget(0.5), fc.MemoryBudget(2**40, tune=True)):
+        try:
+            fc.suggest_chunk_size(fc.filter_chunked_vmap(f, chunk_size=refused), x)
+        except ValueError as e:
+            assert "too small" in str(e) or "tune=True" in str(e), e
+        else:
+            raise AssertionError(f"{refused} was not refused")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ fastest of a few sizes that fit, timed within a bound on its cost, and stored on
 disk so that a later process reuses it (`filtered_chunk/_budget/_store.py`). Every
 size timed is checked against the memory oracle of `tests/budgets.py`."""
 
-import json
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +13,11 @@ import jax.random as jr
 import pytest
 
 import filtered_chunk as fc
+import filtered_chunk._budget._choose as choose
 import filtered_chunk._budget._model as model
 import filtered_chunk._budget._search as search
 import filtered_chunk._budget._store as store
 import filtered_chunk._budget._timing as timing
-from filtered_chunk._budget._program import Measured
 
 from .budgets import compiled_bytes, derivative_bytes
 from .helpers import tree_allclose
@@ -46,7 +46,7 @@ def default(monkeypatch, tmp_path):
     monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)
     monkeypatch.setenv(store.ENVIRONMENT, str(tmp_path / "choices"))
     timed: list[list[int]] = []  # the sizes each search timed, by search
-    each, bounded = timing.time_each, search._bounded
+    each, bounded = timing.time_each, timing.bounded
     descending = [False]  # the default's rounds are recorded by its descent
 
     def _each(runs: dict[int, Any], *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +65,7 @@ def default(monkeypatch, tmp_path):
         return times
 
     monkeypatch.setattr(timing, "time_each", _each)
-    monkeypatch.setattr(search, "_bounded", _bounded)
+    monkeypatch.setattr(timing, "bounded", _bounded)
     _forget()
     yield timed
     _forget()
@@ -74,7 +74,7 @@ def default(monkeypatch, tmp_path):
 def _forget() -> None:
     """What a new process would not know: the in-memory caches."""
     search._measured.clear()
-    search._chosen.clear()
+    choose._chosen.clear()
 
 
 def _choose(budget: int, tune: bool | None = None) -> fc.ChunkSizeChoice:
@@ -100,8 +100,8 @@ def _check_timed(choice: fc.ChunkSizeChoice) -> list[int]:
     _forget()
     start = _choose(choice.budget, tune=False).chunk_size
     _forget()
-    at_most = search._Sizes(_N, "overlap").at_most
-    ladder = search._neighbours(start, choice.largest, at_most)
+    at_most = search.Sizes(_N, "overlap").at_most
+    ladder = timing.neighbours(start, choice.largest, at_most)
     fit = [k for k in ladder if _bytes_at(k if k < _N else None) <= choice.budget]
     assert start in times and set(times) <= set(fit)
     timed = [fit.index(k) for k in sorted(times)]
@@ -124,47 +124,64 @@ def test_default_times_on_cpu_and_fits(default, fraction):
 def test_a_later_process_reuses_the_stored_choice(default, tmp_path):
     budget = _bytes_at(None) // 2
     first = _choose(budget)
+    assert first.compilations >= 4 and first.seconds > 0
     (entry,) = (tmp_path / "choices").glob("*.json")
-    assert json.loads(entry.read_text())["chunk_size"] == first.chunk_size
+    name = entry.name.removesuffix(".json")
+    assert store.read(name) == (first, _bytes_at(first.chunk_size))
     _forget()
     second = _choose(budget)
     assert second.stored and len(default) == 1  # read, not timed
-    assert (second.chunk_size, second.times) == (first.chunk_size, first.times)
+    # The whole choice, but for its cost: one compilation, its own program's.
+    assert second.compilations == 1 and second.seconds < first.seconds
+    assert dataclasses.replace(second, stored=False, compilations=0, seconds=0.0) == (
+        dataclasses.replace(first, compilations=0, seconds=0.0)
+    )
     assert second.bytes == _bytes_at(second.chunk_size) <= budget
-    # `tune=True` reads it too; `tune=False` never times nor reads.
+    # `tune=True` reads it too; `tune=False` never times, and stores its own.
     _forget()
     assert _choose(budget, tune=True).stored and len(default) == 1
     _forget()
     model_choice = _choose(budget, tune=False)
     assert model_choice.model == "cache" and not model_choice.stored
     assert model_choice.times == () and len(default) == 1
+    _forget()
+    again = _choose(budget, tune=False)
+    assert again.stored and again.compilations == 1
+    assert dataclasses.replace(again, seconds=0.0) == dataclasses.replace(
+        model_choice, stored=True, compilations=1, seconds=0.0
+    )
     # Another budget is another entry.
     _forget()
     assert not _choose(budget // 2).stored and len(default) == 2
-    assert len(list((tmp_path / "choices").glob("*.json"))) == 2
+    assert len(list((tmp_path / "choices").glob("*.json"))) == 3
 
 
-def test_a_stored_size_is_measured_again(default, tmp_path):
-    """A stored size that does not fit now (an entry from another version, or
-    edited by hand) is ignored; so is a file that is not an entry."""
+def test_a_stored_choice_is_checked(default, tmp_path):
+    """A stored choice whose program needs other bytes now (an entry from another
+    version of `fun`, or edited by hand), or for another budget, is searched
+    again; so is a file that is not an entry."""
     budget = _bytes_at(None) // 2
-    _choose(budget)
+    first = _choose(budget)
     (entry,) = (tmp_path / "choices").glob("*.json")
-    entry.write_text(json.dumps({"chunk_size": _N, "times": [[_N, 0.0]]}))
-    _forget()
-    choice = _choose(budget)
-    assert not choice.stored and len(default) == 2
-    _check_timed(choice)
-    # Overwritten by the new timing.
-    assert json.loads(entry.read_text())["chunk_size"] == choice.chunk_size
-    for text in ("not json", '{"chunk_size": "x"}', "[]"):
+    name = entry.name.removesuffix(".json")
+    checked = _bytes_at(first.chunk_size)
+    for wrong, bytes_now in (
+        (first, checked - 1),
+        (dataclasses.replace(first, chunk_size=_N), checked),
+        (dataclasses.replace(first, budget=budget + 1), checked),
+        (dataclasses.replace(first, keep_boundaries=-3), checked),
+    ):
+        store.write(name, wrong, bytes_now)
+        _forget()
+        choice = _choose(budget)
+        assert not choice.stored and choice.compilations >= 4
+        _check_timed(choice)
+        # Overwritten by the new search.
+        assert store.read(name) == (choice, _bytes_at(choice.chunk_size))
+    for text in ("not json", '{"choice": {"chunk_size": 3}, "checked": 1}', "[]"):
         entry.write_text(text)
         _forget()
         assert not _choose(budget).stored
-    # A size the loop never runs at (it runs 7 steps of 29 for 200 elements).
-    entry.write_text(json.dumps({"chunk_size": 28, "times": [[28, 0.0]]}))
-    _forget()
-    assert not _choose(budget).stored
 
 
 def test_store_turned_off(default, monkeypatch, tmp_path):
@@ -218,7 +235,7 @@ def test_bounded_cost_falls_back_to_the_model(default, monkeypatch):
 
 def test_timing_needs_room_for_a_copy_of_the_arguments(default, monkeypatch):
     # Half the free memory is below a copy of the arguments plus the budget.
-    monkeypatch.setattr(search, "available_bytes", lambda: _bytes_at(None))
+    monkeypatch.setattr(timing, "available_bytes", lambda: _bytes_at(None))
     choice = _choose(_bytes_at(None) // 2)
     assert choice.model == "cache" and not default
     _forget()  # not stored: a later process may have the room
@@ -263,7 +280,7 @@ def test_default_under_grad_and_jit(default):
     loss = lambda w: jnp.sum(jnp.sin(g(w, _XS)))
     expected = jax.grad(lambda w: jnp.sum(jnp.sin(jax.vmap(f, (None, 0))(w, _XS))))(w)
     assert tree_allclose(jax.jit(jax.grad(loss))(w), expected, rtol=1e-4, atol=1e-4)
-    (choice,) = search._chosen.values()
+    (choice,) = choose._chosen.values()
     assert choice.model == "timed" and choice.bytes <= budget // 2
     for k, _ in choice.times:
         assert derivative_bytes(fixed(k if k < _N else None), w, _XS) <= budget // 2
@@ -302,10 +319,9 @@ def test_rounds_that_move_the_fastest_resume_the_descent(monkeypatch):
     monkeypatch.setattr(
         timing, "time_each", lambda runs, *_, **__: {s: rounds[s] * 1e-3 for s in runs}
     )
-    monkeypatch.setattr(search, "available_bytes", lambda: 2**40)
-    fits = Measured(0, 0)
-    times = search._bounded(
-        1, [1, 2, 4, 8, 16], lambda s: fits, lambda s: lambda: s, 1, 60.0, 0.0, 0
+    monkeypatch.setattr(timing, "available_bytes", lambda: 2**40)
+    times = timing.bounded(
+        1, [1, 2, 4, 8, 16], lambda s: 0, lambda s: lambda: s, 1, 60.0, 0.0, 0
     )
     assert times is not None and sorted(times) == [1, 2, 4, 8, 16]
     assert min(times, key=times.__getitem__) == 8

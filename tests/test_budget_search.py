@@ -20,14 +20,10 @@ from hypothesis import given, Phase, settings
 
 import filtered_chunk as fc
 from filtered_chunk._budget import MemoryBudget
+from filtered_chunk._budget._keep import keep_if_fits
 from filtered_chunk._budget._program import Measured
-from filtered_chunk._budget._search import (
-    _search,
-    _Sizes,
-    _too_small,
-    keep_if_fits,
-    MAX_COMPILATIONS,
-)
+from filtered_chunk._budget._refusal import too_small
+from filtered_chunk._budget._search import _search, MAX_COMPILATIONS, Sizes
 
 from .budgets import (
     check_largest,
@@ -323,11 +319,11 @@ def _search_table(
         return tried[k]
 
     def _refusal() -> ValueError:
-        return _too_small("f", MemoryBudget(limit), limit, tried, n)
+        return too_small("f", MemoryBudget(limit), limit, tried, n)
 
     try:
         k = _search(
-            _measure, _Sizes(n, remainder), limit, _refusal, lambda: len(tried) + 1
+            _measure, Sizes(n, remainder), limit, _refusal, lambda: len(tried) + 1
         )
     except ValueError as error:
         return None, {s: m.total for s, m in tried.items()}, str(error)
@@ -346,7 +342,7 @@ def test_search_does_not_assume_one_element_is_the_smallest(remainder):
     def bytes_at(k: int) -> int:
         return 50_000 if k == 1 else 10_000 + 1_000 * k - 3_000 * (n % k == 0)
 
-    sizes = _Sizes(n, remainder)
+    sizes = Sizes(n, remainder)
     for limit in (bytes_at(2), bytes_at(4), bytes_at(8), bytes_at(10)):
         k, tried, _ = _search_table(bytes_at, n, remainder, limit)
         assert k is not None and tried[k] == bytes_at(k) <= limit

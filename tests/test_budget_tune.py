@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import filtered_chunk as fc
+import filtered_chunk._budget._choose as choose
 import filtered_chunk._budget._model as model
 import filtered_chunk._budget._search as search
 import filtered_chunk._budget._timing as timing
@@ -38,7 +39,7 @@ def clean(monkeypatch):
     monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)
     monkeypatch.setattr(timing, "SECONDS", 0.2)  # fewer rounds of the real timer
     search._measured.clear()
-    search._chosen.clear()
+    choose._chosen.clear()
     timed: list[list[int]] = []
     real = timing.time_each
 
@@ -49,7 +50,7 @@ def clean(monkeypatch):
     monkeypatch.setattr(timing, "time_each", _recording)
     yield timed
     search._measured.clear()
-    search._chosen.clear()
+    choose._chosen.clear()
 
 
 def _fake_timer(monkeypatch, fastest: int, timed: list[list[int]]) -> None:
@@ -137,7 +138,7 @@ def test_tune_under_grad_fits_the_differentiated_program(clean, monkeypatch):
     expected = jax.grad(lambda w: jnp.sum(jnp.sin(jax.vmap(f, (None, 0))(w, _XS))))(w)
     # float32 sums in another order: within 1e-4 of values up to about 24.
     assert tree_allclose(jax.jit(jax.grad(loss))(w), expected, rtol=1e-4, atol=1e-4)
-    (choice,) = search._chosen.values()
+    (choice,) = choose._chosen.values()
     assert choice.model == "timed" and sorted(dict(choice.times)) == clean[-1]
     # Every size timed, and the one chosen, fits as the user's program runs it.
     for k in clean[-1]:
@@ -160,7 +161,7 @@ def test_tune_with_keys_and_integers(clean):
         f, chunk_size=fc.MemoryBudget(budget // 2, tune=True)
     )
     assert tree_allclose(jax.jit(chunked)(keys, labels), oracle)
-    (choice,) = search._chosen.values()
+    (choice,) = choose._chosen.values()
     assert choice.model == "timed" and len(choice.times) >= 2
 
 
@@ -194,7 +195,7 @@ def test_example_values_keep_types_and_use_concrete_arrays():
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))
 @pytest.mark.parametrize(("lo", "hi"), ((1, 1), (3, 3), (1, 200), (21, 1024), (8, 9)))
 def test_ladder(remainder, lo, hi):
-    sizes = search._Sizes(max(hi, 200), remainder)
+    sizes = search.Sizes(max(hi, 200), remainder)
     ladder = timing.ladder(lo, sizes.at_most(hi), sizes.at_most)
     assert ladder == sorted(set(ladder)) and ladder[-1] == sizes.at_most(hi)
     assert all(sizes.at_most(k) == k for k in ladder)

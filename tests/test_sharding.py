@@ -93,7 +93,8 @@ def _free_port() -> int:
 
 
 def test_two_processes():
-    """The same code under `jax.distributed`, two CPU processes over loopback."""
+    """The same code under `jax.distributed`, two CPU processes over loopback; a
+    memory budget chooses alike on both (`sharding_multihost.check_budget`)."""
     port = _free_port()
     worker = [sys.executable, str(HERE / "sharding_multihost.py")]
     processes = [
@@ -120,6 +121,9 @@ def test_two_processes():
                 p.wait()
     for i, (p, out) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0 and out.strip().endswith("OK"), f"process {i}:\n{out}"
+    # A memory budget chose the same on both, with different free memory.
+    choices = [[s for s in o.splitlines() if s.startswith("CHOICE")] for o in outputs]
+    assert len(choices[0]) == 1 and choices[0] == choices[1], choices
 
 
 # On the single device of this process: a mesh of one device still goes through

@@ -30,7 +30,7 @@ from jaxtyping import PyTree
 
 from .._eager import program_key
 from .._jax_compat import memory_counted, transformations_tracing
-from .._sharding import leaf_sharding
+from .._sharding import leaf_sharding, on_devices
 from .._structs import struct
 from . import _timing
 
@@ -168,6 +168,15 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return struct(x, sharding=x.sharding if split else None)
 
 
+_compilations = 0  # of `ChunkedProgram.compile`, in this process
+
+
+def compilations() -> int:
+    """How many programs the budgets of this process compiled (`ChunkSizeChoice`'s
+    `compilations` is the difference across a choice)."""
+    return _compilations
+
+
 class ChunkedProgram:
     """The chunked call at any chunk size, as a function of abstract inputs."""
 
@@ -222,7 +231,10 @@ class ChunkedProgram:
         _forward = lambda _x: jax.core.eval_jaxpr(closed.jaxpr, _x[:n], *_x[n:])
         structs = [_struct(x) for x in consts] + self.structs
         fn, structs, fed = transformed(_forward, structs, layers, linearize)
+        structs = on_devices(structs, [*consts, *self.leaves])
         compiled, (temp, output) = memory_counted(jax.jit(fn).lower(structs))
+        global _compilations
+        _compilations += 1
         measured = Measured(temp, output, fed)
 
         @ft.cache  # made on the first run

@@ -1,32 +1,34 @@
-"""The timed choices of memory budgets, kept on disk so that a later process on the
-same machine reuses them, as JAX's compilation cache reuses compiled programs: a
-choice timed once is then the same in every process (`_search.py`), and costs no
-timing again. Only the timed size is kept, never the bytes: the search measures
-those anew each time, so a stale or mistaken entry can cost speed, never memory.
+"""The choices of memory budgets, kept on disk so that a later process on the same
+machine reuses them, as JAX's compilation cache reuses compiled programs: a budget
+searched (and timed) once is then the same in every process (`_choose.py`), and a
+later one compiles only the program it runs, to check that its bytes are still those
+stored: a stale or mistaken entry can cost a search, never memory.
 
 The folder is `FILTERED_CHUNK_CACHE_DIR` if set (an empty value turns the store
 off), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache` by default). One small
 JSON file an entry, named by a hash of the program, the budget and the machine.
-Failures to read or write are ignored: the search then times as without a store.
+Failures to read or write are ignored: the search then runs as without a store.
 """
 
+import dataclasses
 import functools as ft
 import hashlib
 import json
 import os
 import platform
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 
 from . import _model
+from ._values import ChunkSizeChoice
 
 
 ENVIRONMENT = "FILTERED_CHUNK_CACHE_DIR"
-_FORMAT = 1
+_FORMAT = 2  # entries of format 1 held only a timed size
 
 
 def directory() -> Path | None:
@@ -64,6 +66,7 @@ def machine() -> tuple[str, ...]:
         jax.__version__,
         getattr(jax.lib, "__version__", ""),
         filtered_chunk.__version__,
+        os.environ.get("XLA_FLAGS", ""),
     )
 
 
@@ -76,25 +79,83 @@ def key(parts: Sequence[Any]) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
-def read(name: str | None) -> tuple[int, tuple[tuple[int, float], ...]] | None:
-    """The chunk size stored under `name` and the times it was chosen from."""
+def encode(choice: ChunkSizeChoice) -> str:
+    """`choice` as JSON (`decode` reads it back)."""
+    return json.dumps(
+        {f.name: getattr(choice, f.name) for f in dataclasses.fields(choice)}
+    )
+
+
+def _pairs(value: Any, kind: Callable[[Any], Any]) -> tuple[tuple[int, Any], ...]:
+    return tuple((_integer(k), kind(v)) for k, v in value)
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(value)
+    return value
+
+
+def decode(text: str) -> ChunkSizeChoice:
+    """The choice `encode` wrote; `ValueError` where the text is not one."""
+    try:
+        entry = json.loads(text)
+        keep = entry["keep_boundaries"]
+        choice = ChunkSizeChoice(
+            chunk_size=_integer(entry["chunk_size"]),
+            bytes=_integer(entry["bytes"]),
+            budget=_integer(entry["budget"]),
+            tried=_pairs(entry["tried"], _integer),
+            largest=_integer(entry["largest"]),
+            model=entry["model"],
+            element_bytes=_integer(entry["element_bytes"]),
+            cache_bytes=None
+            if entry["cache_bytes"] is None
+            else _integer(entry["cache_bytes"]),
+            working_set=_pairs(entry["working_set"], _integer),
+            times=_pairs(entry["times"], float),
+            stored=bool(entry["stored"]),
+            keep_boundaries=keep if isinstance(keep, bool) else _integer(keep),
+            passes=_integer(entry["passes"]),
+            boundary_bytes=_integer(entry["boundary_bytes"]),
+            work=float(entry["work"]),
+            compilations=_integer(entry["compilations"]),
+            seconds=float(entry["seconds"]),
+        )
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a stored choice: {e}") from None
+    keep = choice.keep_boundaries
+    counts = (choice.bytes, choice.budget, choice.passes, choice.compilations)
+    if (
+        choice.model not in ("cache", "largest", "timed")
+        or choice.chunk_size < 1
+        or min(counts) < 0
+        or (not isinstance(keep, bool) and keep < 2)
+    ):
+        raise ValueError(f"not a stored choice: {choice}")
+    return choice
+
+
+def read(name: str | None) -> tuple[ChunkSizeChoice, int] | None:
+    """The choice stored under `name` and the bytes of its program as compiled,
+    if any (`None` also where the entry is unreadable)."""
     folder = directory()
     if name is None or folder is None:
         return None
     try:
         entry = json.loads((folder / f"{name}.json").read_text())
-        times = tuple((int(k), float(t)) for k, t in entry["times"])
-        return int(entry["chunk_size"]), times
+        return decode(json.dumps(entry["choice"])), _integer(entry["checked"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def write(name: str | None, chunk_size: int, times: dict[int, float]) -> None:
-    """Stores a timed choice under `name` (atomically: a reader never sees half)."""
+def write(name: str | None, choice: ChunkSizeChoice, checked: int) -> None:
+    """Stores `choice` and the bytes of its program as compiled under `name`
+    (atomically: a reader never sees half)."""
     folder = directory()
     if name is None or folder is None:
         return
-    entry = {"chunk_size": chunk_size, "times": sorted(times.items())}
+    entry = {"choice": json.loads(encode(choice)), "checked": checked}
     temporary = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

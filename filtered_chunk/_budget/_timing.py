@@ -18,6 +18,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from ._free_memory import available_bytes
+
 
 # The sizes timed: a geometric ladder of this many, plus the model's own size.
 LADDER = 5
@@ -156,3 +158,78 @@ def time_each(
         for k in keys[r % len(keys) :] + keys[: r % len(keys)]:
             times[k].append(seconds(runs[k], repeats[k]))
     return {k: min(t) if t else warm[k] for k, t in times.items()}
+
+
+def neighbours(k: int, largest: int, at_most: Callable[[int], int]) -> list[int]:
+    """The sizes a descent from `k` may time: `k` doubled and halved up to three
+    times, rounded down to sizes that run, at most `largest`, ascending."""
+    steps = [k * 2.0**j for j in range(-3, 4)]
+    return sorted({at_most(max(1, min(largest, math.floor(s)))) for s in steps})
+
+
+def bounded(
+    k: int,
+    ladder: list[int],
+    measure: Callable[[int], int],
+    run: Callable[[int], Callable[[], Any]],
+    limit: int,
+    allowance: float,
+    per_size: float,
+    argument_bytes: int,
+) -> dict[int, float] | None:
+    """The default's timing, within `allowance` seconds after the model's size `k`
+    is timed: a descent along `ladder` (ascending, holding `k`) from the fastest
+    size so far to its untimed neighbours (the larger first), and from those
+    within `TIE` of it (a plateau, where one run's noise could stop a
+    descent), each while it fits the budget (`measure`: its bytes) and the time
+    left (its compilation, `per_size` seconds, and two runs at the speed of the
+    fastest so far); each
+    size the fastest of up to three runs (`sample`). Then rounds while
+    time is left; where the rounds make another size the fastest and it has
+    untimed neighbours, the descent goes on from it. Empty (the model's choice
+    stands) where fewer than two sizes fit the bound; `None` (the same, but not
+    stored: a later process may have the room) where a copy of the arguments
+    beside the budget could crowd the free memory."""
+    if argument_bytes + limit > available_bytes() // 2:
+        return None
+    warm = {k: sample(run(k))}  # also makes the example arguments
+    end = time.perf_counter() + allowance
+    refused: set[int] = set()
+    tie = 1 + TIE  # a plateau: within this factor of the fastest
+
+    def _untimed(sizes: list[int]) -> list[int]:
+        # Each size's neighbours on the ladder, the larger first, not yet tried.
+        near: list[int] = []
+        for t in sizes:
+            i = ladder.index(t)
+            near += ladder[i + 1 : i + 2] + ladder[max(i - 1, 0) : i]
+        return [s for s in near if s not in warm and s not in refused]
+
+    while True:
+        descended = False
+        while True:
+            # The untimed neighbours of the sizes within `TIE` of the
+            # fastest, the fastest's first: a descent that also walks a plateau.
+            fastest = min(warm.values())
+            order = sorted(warm, key=lambda t: (warm[t], t))
+            near = _untimed([t for t in order if warm[t] <= fastest * tie])
+            if not near:
+                break
+            s = near[0]
+            if end - time.perf_counter() < per_size + 2 * max(fastest, SAMPLE):
+                break
+            if measure(s) <= limit:
+                warm[s] = sample(run(s))
+                descended = True
+            else:
+                refused.add(s)
+        if len(warm) < 2:
+            return {}
+        runs = {s: run(s) for s in warm}
+        budget = max(end - time.perf_counter(), 0.0)
+        times = time_each(runs, budget, min_rounds=0, warm=warm)
+        # The rounds may find another fastest than the single samples did.
+        best = min(times, key=lambda s: (times[s], s))
+        if not descended or not _untimed([best]):
+            return times
+        warm = dict(times)

@@ -107,14 +107,30 @@ class MemoryBudget(eqx.Module):
         - `False`: by the speed model alone, never timed: the same choice in
           every process, at no cost beyond the search.
 
-        A timed choice is stored on disk and reused by later processes on the
-        same machine for the same program, budget and versions, so it does not
-        vary between them and is timed once (so is the model's choice where the
-        bound left no time to time two sizes; `tune=True` times it anew): in the
-        folder `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
-        nothing), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache`). Only
-        the size is stored: its bytes are measured anew in every search, so a
-        stored choice never breaks the budget. Delete the folder to time anew.
+        Under `jax.distributed` (more than one process) sizes are never timed:
+        the speed model chooses (and `tune=True` is an error).
+
+    **Stored choices.** Every choice is stored on disk and reused by later
+    processes on the same machine for the same program, budget and versions:
+    a later process compiles only the program the choice runs, once, to check
+    that it still needs the bytes stored (where it does not, the budget searches
+    again), so a training script pays the search once, not at every start, and
+    its timed choice does not vary between runs. A timed choice serves
+    `tune=None` and `tune=True`; an untimed one (the model's, where the bound left
+    no time to time two sizes) is timed anew by `tune=True`. The folder is
+    `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
+    nothing), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache`); delete it
+    to search anew. A float budget is stored for the bytes it resolves to
+    (rounded down to 1/32 of a power of two), so the entry holds while the free
+    memory moves a little.
+
+    **Several processes.** Under `jax.distributed` every process runs the same
+    choice: the budget is the smallest that any process
+    resolves (for a float, the least free memory), process 0 chooses (from its
+    own store, or by a search), and the others take its choice. Every process
+    must make the same budgeted calls in the same order, as an SPMD program
+    does; a process that waits more than ten minutes for the others raises a
+    `RuntimeError`.
 
     `chunk_size="auto"` is `MemoryBudget(0.8)`, leaving room for what XLA's estimate
     does not count (the allocator's fragmentation, other live arrays).
@@ -266,9 +282,10 @@ class ChunkSizeChoice(eqx.Module):
         for every size tried.
     - `times`: for `"timed"`, `(chunk_size, seconds)` for every size timed (its
         fastest run), by size; the fastest is `chunk_size`. Empty otherwise.
-    - `stored`: whether the size (and `times`) were read from disk, chosen by an
-        earlier search for the same program, budget and machine (see
-        `MemoryBudget`'s `tune`), rather than in this one.
+    - `stored`: whether the choice was read from disk, made by an earlier
+        process for the same program, budget and machine (see `MemoryBudget`),
+        rather than searched in this one. A stored choice is used only where its
+        program, compiled again, needs the bytes stored.
     - `keep_boundaries`: what the call runs with as `keep_boundaries`: with
         collectives across chunks, `True` where every pass over the batch keeps
         the per-element values the next resumes from, in buffers that `bytes`
@@ -292,6 +309,10 @@ class ChunkSizeChoice(eqx.Module):
         boundaries kept, more the more each pass recomputes (a BatchNorm network
         of eight layers: about 5 recomputing). `1.0` without collectives across
         chunks.
+    - `compilations`, `seconds`: what the choice cost the process that made it:
+        the programs XLA compiled for it (under reverse mode two a size) and the
+        seconds from the start of the search (tracing, compiling, timing) to the
+        choice. For a stored choice, the check of its program.
 
     !!! example
 
@@ -326,3 +347,5 @@ class ChunkSizeChoice(eqx.Module):
     passes: int = 0
     boundary_bytes: int = 0
     work: float = 1.0
+    compilations: int = 0
+    seconds: float = 0.0

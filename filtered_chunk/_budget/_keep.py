@@ -1,0 +1,109 @@
+"""Which boundaries a staged call keeps (`keep_if_fits`): the chunk size chosen for
+a budget without them (`_search.py`), then the most passes' boundaries that fit
+beside it, at that size or a smaller one.
+"""
+
+import dataclasses
+import functools as ft
+import math
+from collections.abc import Callable
+
+from . import _model
+from ._search import Sizes
+from ._values import ChunkSizeChoice
+
+
+# At most this many compilations choose which stage boundaries to keep.
+KEEP_COMPILATIONS = 8
+
+
+def keep_if_fits(
+    choice: ChunkSizeChoice,
+    measure: Callable[[int, int], int],
+    passes: int,
+    batch_size: int,
+    remainder: str,
+) -> ChunkSizeChoice:
+    """`choice` with the staged collectives (`passes` passes before the final
+    loop) keeping the most boundaries that fit the budget (`measure(k, n)`: the
+    bytes of the program at `k` keeping those of every `n`-th pass).
+
+    Every pass's; else every `n`-th pass's, for `n` the estimate of where the
+    buffers' bytes fit beside the part of `choice`'s bytes that is not per element
+    (were they to fall as `1 / n`), then for the next `n` that keeps fewer; else
+    only the middle pass's (`n = passes // 2 + 1`, which halves the work of
+    recomputing). Of the `n` that keep as many passes' boundaries (`passes //
+    n`), the smallest, whose passes recompute least: of 8 passes, every 3rd
+    keeps two, as every 4th does. Each at the chosen size, or else at a smaller
+    one (`_fit_beside`), at least `MIN_CHUNK`; else `choice` as it is. At most
+    eight compilations."""
+    if passes == 0:
+        return choice
+    spent = [0]
+
+    def _measure(size: int, every: int) -> int:
+        spent[0] += 1
+        return measure(size, every)
+
+    k = choice.chunk_size
+    kept = _measure(k, 1)
+    fixed = max(choice.bytes - max(choice.element_bytes, 1) * k, 0)
+    extra, room = kept - choice.bytes, max(choice.budget - fixed, 1)
+    estimate, middle = max(2, math.ceil(extra / room)), passes // 2 + 1
+    distinct = [n for n in range(2, passes + 1) if passes // n < passes // (n - 1)]
+    at = max([i for i, n in enumerate(distinct) if n <= estimate], default=0)
+    tries = [1] + [n for n in distinct[at : at + 2] if n < middle] + [middle]
+    for every in sorted(set(tries)):
+        if spent[0] >= KEEP_COMPILATIONS:
+            break
+        found = kept if every == 1 else _measure(k, every)
+        fit = _fit_beside(
+            choice,
+            found,
+            ft.partial(lambda n, size: _measure(size, n), every),
+            Sizes(batch_size, remainder),
+            lambda: spent[0] < KEEP_COMPILATIONS,
+        )
+        if fit is not None:
+            size, found = fit
+            keep = True if every == 1 else every
+            return dataclasses.replace(
+                choice, chunk_size=size, bytes=found, keep_boundaries=keep
+            )
+    return choice
+
+
+def _fit_beside(
+    choice: ChunkSizeChoice,
+    found: int,
+    measure: Callable[[int], int],
+    sizes: Sizes,
+    left: Callable[[], bool],
+) -> tuple[int, int] | None:
+    """`(size, bytes)` of a program that needs `found` bytes at the chosen size
+    where it fits the budget: at that size; else at the size where its bytes
+    beyond `choice`'s fit beside the rest (near-affine in the size:
+    `choice.element_bytes` an element); else, that size measured, at the size
+    where the line through the two measurements meets the budget (the
+    program's own bytes an element: a pass that recomputes fewer layers has a
+    smaller working set an element than `choice`'s). `None` where it does not,
+    or where a size would fall below `MIN_CHUNK`, or `left()` says no more
+    compilations."""
+    k, budget = choice.chunk_size, choice.budget
+    if found <= budget:
+        return k, found
+    slope = max(choice.element_bytes, 1)
+    room = budget - (found - choice.bytes) - (choice.bytes - slope * k)
+    size = sizes.at_most(max(min(room // slope, k), 1))
+    for _ in range(2):
+        if size >= k or size < _model.MIN_CHUNK or not left():
+            return None
+        smaller = measure(size)
+        if smaller <= budget:
+            return size, smaller
+        if smaller >= found:
+            return None
+        slope = (found - smaller) / (k - size)
+        k, found = size, smaller
+        size = sizes.at_most(max(k - math.ceil((found - budget) / slope), 1))
+    return None

@@ -1,0 +1,144 @@
+"""Stored choices (`filtered_chunk/_budget/_store.py`): a budget searches once per
+program, budget and machine; a later process (here: the in-memory caches
+emptied) compiles only the program the stored choice runs, checks its bytes, and
+takes the whole choice, evaluated, under `jax.grad`, and for a staged call that
+keeps boundaries. The tests' default (`tests/conftest.py`) stores nothing; these
+turn the store on, each in a folder of its own."""
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.random as jr
+import pytest
+
+import filtered_chunk as fc
+import filtered_chunk._budget._choose as choose
+import filtered_chunk._budget._search as search
+import filtered_chunk._budget._store as store
+import filtered_chunk._budget._values as values
+
+from .budgets import compiled_bytes
+from .helpers import tree_allclose
+
+
+@pytest.fixture
+def stored(monkeypatch, tmp_path):
+    """A store of the test's own, and empty in-memory caches."""
+    monkeypatch.setenv(store.ENVIRONMENT, str(tmp_path / "choices"))
+    _forget()
+    yield tmp_path / "choices"
+    _forget()
+
+
+def _forget() -> None:
+    """What a new process would not know: the in-memory caches."""
+    search._measured.clear()
+    choose._chosen.clear()
+
+
+def _fun(x: jax.Array) -> jax.Array:
+    return jnp.tanh(jnp.outer(x, x)) @ x  # 16 KiB of working set per element
+
+
+_XS = jr.normal(jr.key(3), (200, 64), jnp.float32)
+
+
+def _blocks(x, weights):
+    """Blocks normalised over the batch: a staged call, whose boundaries (6 values
+    an element) are much smaller than its working set (64)."""
+    for w1, w2 in weights:
+        x = jnp.tanh(x @ w1) @ w2
+        x = x - lax.pmean(x, "i")
+        x = x * lax.rsqrt(lax.pmean(x**2, "i") + 1.0)
+    return x
+
+
+def _twice(call: Any) -> tuple[fc.ChunkSizeChoice, fc.ChunkSizeChoice]:
+    """The choice of a first process and of a later one, each `call()`."""
+    first = call()
+    _forget()
+    later = call()
+    return first, later
+
+
+def _same(first: fc.ChunkSizeChoice, later: fc.ChunkSizeChoice) -> bool:
+    """The same choice, but for how it was made."""
+    cost = dict(compilations=0, seconds=0.0)
+    return dataclasses.replace(first, **cost) == dataclasses.replace(
+        later, stored=False, **cost
+    )
+
+
+def test_evaluated(stored):
+    budget = compiled_bytes(fc.filter_chunked_vmap(_fun), _XS) // 4
+    chunked = fc.filter_chunked_vmap(_fun, chunk_size=fc.MemoryBudget(budget))
+    first, later = _twice(lambda: fc.suggest_chunk_size(chunked, _XS))
+    assert not first.stored and first.compilations >= 4
+    assert later.stored and later.compilations == 1 and _same(first, later)
+    assert len(list(stored.glob("*.json"))) == 1
+    assert tree_allclose(chunked(_XS), jax.vmap(_fun)(_XS))
+
+
+def test_under_grad(stored):
+    # The program of the user's step, traced; two programs a size under grad.
+    loss = lambda run: lambda x: jnp.sum(run(x) ** 2)
+    step = lambda run: jax.jit(jax.grad(loss(run)))
+    whole = fc.filter_chunked_vmap(_fun, chunk_size=fc.MemoryBudget(2**40))
+    (everything,) = fc.suggest_chunk_sizes(step(whole), _XS)
+    chunked = fc.filter_chunked_vmap(
+        _fun, chunk_size=fc.MemoryBudget(everything.bytes // 4)
+    )
+    first, later = _twice(lambda: fc.suggest_chunk_sizes(step(chunked), _XS)[0])
+    assert not first.stored and first.compilations >= 6
+    assert later.stored and later.compilations <= 2 and _same(first, later)
+    assert first.chunk_size < 200 and later.bytes <= later.budget
+    assert tree_allclose(step(chunked)(_XS), step(jax.vmap(_fun))(_XS))
+
+
+def test_staged_call_keeping_boundaries(stored):
+    # The boundaries kept are part of the choice: a later process compiles the
+    # program that keeps them, and runs it.
+    key1, key2 = jr.split(jr.key(1))
+    x = jr.normal(key1, (256, 6))
+    keys = jr.split(key2, 6)
+    weights = [
+        (jr.normal(keys[2 * i], (6, 64)), jr.normal(keys[2 * i + 1], (64, 6)) / 8)
+        for i in range(3)
+    ]
+    chunked = fc.filter_chunked_vmap(
+        _blocks,
+        in_axes=(0, None),
+        axis_name="i",
+        chunk_size=fc.MemoryBudget(100 * 1024, tune=False),
+    )
+    first, later = _twice(lambda: fc.suggest_chunk_size(chunked, x, weights))
+    assert first.keep_boundaries and first.passes == 3 and first.chunk_size < 256
+    assert later.stored and later.compilations == 1 and _same(first, later)
+    assert compiled_bytes(chunked, x, weights) == later.bytes <= later.budget
+    oracle = eqx.filter_vmap(_blocks, in_axes=(0, None), axis_name="i")
+    assert tree_allclose(chunked(x, weights), oracle(x, weights))
+
+
+def test_a_fraction_of_free_memory(stored, monkeypatch):
+    # The free memory moves a little between processes: the budget, rounded
+    # down to 1/32 of a power of two, keeps its entry.
+    free = 4 * compiled_bytes(fc.filter_chunked_vmap(_fun), _XS) + 12345
+    monkeypatch.setattr(values, "available_bytes", lambda: free)
+    chunked = fc.filter_chunked_vmap(_fun, chunk_size=fc.MemoryBudget(0.1))
+    first = fc.suggest_chunk_size(chunked, _XS)
+    _forget()
+    monkeypatch.setattr(values, "available_bytes", lambda: free + 1000)
+    later = fc.suggest_chunk_size(chunked, _XS)
+    assert later.stored and _same(first, later)
+
+
+def test_another_program_is_another_entry(stored):
+    budget = compiled_bytes(fc.filter_chunked_vmap(_fun), _XS) // 4
+    for f in (_fun, lambda x: jnp.cos(jnp.outer(x, x)) @ x):
+        chunked = fc.filter_chunked_vmap(f, chunk_size=fc.MemoryBudget(budget))
+        assert not fc.suggest_chunk_size(chunked, _XS).stored
+    assert len(list(stored.glob("*.json"))) == 2
