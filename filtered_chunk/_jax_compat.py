@@ -19,6 +19,7 @@ import jax.core
 import numpy as np
 from jax._src import (
     debugging as _debugging,
+    distributed as _distributed,
     named_sharding as _named_sharding,
     sharding_impls as _sharding_impls,
     traceback_util as _traceback_util,
@@ -230,6 +231,4 @@ def distributed_client() -> Any:
     """The client of `jax.distributed`'s key-value store (`None` before
     `jax.distributed.initialize`), through which processes agree on a budget's
     choice (`_budget/_hosts.py`): what `jax.experimental.multihost_utils` uses."""
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return _distributed.global_state.client

@@ -76,13 +76,14 @@ def test_process_0_chooses_for_the_smallest_budget(process):
 
     assert hosts.choose_everywhere(5000, "call", _choose) == _CHOICE
     assert asked == [1000]
-    assert store.decode(kv.values["filtered_chunk/budget/0/choice"]) == _CHOICE
+    posted = json.loads(kv.values["filtered_chunk/budget/0/choice"])
+    assert store.decode(posted) == _CHOICE
 
 
 def test_other_processes_take_process_0s_choice(process):
     kv = process(1)
     _post_limit(kv, 0, 0, 5000, "call")
-    kv.values["filtered_chunk/budget/0/choice"] = store.encode(_CHOICE)
+    kv.values["filtered_chunk/budget/0/choice"] = json.dumps(store.encode(_CHOICE))
     never = lambda limit: pytest.fail("process 1 chose")  # noqa: E731
     assert hosts.choose_everywhere(1000, "call", never) == _CHOICE
 

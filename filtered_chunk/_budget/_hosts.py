@@ -73,14 +73,13 @@ def choose_everywhere(
             failed = {"failed": str(e), "refused": isinstance(e, ValueError)}
             client.key_value_set(f"{prefix}/choice", json.dumps(failed))
             raise
-        client.key_value_set(f"{prefix}/choice", _store.encode(choice))
+        client.key_value_set(f"{prefix}/choice", json.dumps(_store.encode(choice)))
         return choice
-    text = _get(f"{prefix}/choice", "process 0's choice")
-    failed = json.loads(text)
-    if "failed" in failed:
-        if failed["refused"]:  # the budget's refusal, as process 0 raised it
-            raise ValueError(failed["failed"])
+    posted = json.loads(_get(f"{prefix}/choice", "process 0's choice"))
+    if "failed" in posted:
+        if posted["refused"]:  # the budget's refusal, as process 0 raised it
+            raise ValueError(posted["failed"])
         raise RuntimeError(
-            f"Process 0 failed to choose the chunk size: {failed['failed']}"
+            f"Process 0 failed to choose the chunk size: {posted['failed']}"
         )
-    return _store.decode(text)
+    return _store.decode(posted)

@@ -8,8 +8,8 @@ its smallest size fits (`_secant`). One element per chunk need not be the smalle
 program (a collective's staged program, or XLA's schedule of a small derivative,
 can need more, issue 23, item 7): where no range's ends fit, sizes across the
 smallest range are measured (`_probes`) before the budget is refused. Measurements
-are cached on the traced program, choices also on the machine the model reads;
-timed choices (`_timing.py`) are also stored on disk (`_store.py`).
+are cached on the traced program; the choices are cached and stored by
+`_choose.py`.
 """
 
 import math
@@ -211,6 +211,19 @@ def _cached(
     return found
 
 
+def _pullback(
+    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int | None
+) -> tuple[ChunkedProgram, Hashable | None, bool, Measured]:
+    """The program `run(k, tree)`, its key, whether it is under reverse mode, and
+    its bytes as compiled (under reverse mode, its pullback), cached on the
+    program traced at `k`: programs that trace alike compile once."""
+    program = ChunkedProgram(run, tree)
+    base, layers = program.key(k)
+    found = _cached(base, "pullback", lambda: program.compile(k)[0])
+    assert found is not None
+    return program, base, any(layer.kind == "reverse" for layer in layers), found
+
+
 def measure_bytes(
     run: Callable[[int | None, Any], Any],
     tree: PyTree[Any],
@@ -220,13 +233,8 @@ def measure_bytes(
     """The bytes a search measures for `run(k, tree)` at one size, to compare with
     `limit`: under reverse mode the larger of the call's pullback and its
     linearisation, the second compiled only if the first is within `limit`
-    (`_with_linearisation`, as in `search`). Cached on the program traced at
-    `k`: programs that trace alike compile once."""
-    program = ChunkedProgram(run, tree)
-    base, layers = program.key(k)
-    found = _cached(base, "pullback", lambda: program.compile(k)[0])
-    assert found is not None
-    reverse = any(layer.kind == "reverse" for layer in layers)
+    (`_with_linearisation`, as in `search`). Cached (`_pullback`)."""
+    program, base, reverse, found = _pullback(run, tree, k)
     linear = lambda: _cached(base, "linearisation", lambda: linearisation(program, k))  # noqa: E731
     return _with_linearisation(found, linear, reverse, limit)[0].total
 
@@ -235,12 +243,8 @@ def program_bytes(
     run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int | None
 ) -> int:
     """The bytes of `run(k, tree)` as compiled (under reverse mode, its pullback):
-    the one program a stored choice is checked by. Cached as `measure_bytes`."""
-    program = ChunkedProgram(run, tree)
-    base, _ = program.key(k)
-    found = _cached(base, "pullback", lambda: program.compile(k)[0])
-    assert found is not None
-    return found.total
+    the one program a stored choice is checked by. Cached (`_pullback`)."""
+    return _pullback(run, tree, k)[3].total
 
 
 def search(

@@ -79,11 +79,9 @@ def key(parts: Sequence[Any]) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
-def encode(choice: ChunkSizeChoice) -> str:
-    """`choice` as JSON (`decode` reads it back)."""
-    return json.dumps(
-        {f.name: getattr(choice, f.name) for f in dataclasses.fields(choice)}
-    )
+def encode(choice: ChunkSizeChoice) -> dict[str, Any]:
+    """`choice` as a JSON object (`decode` reads it back)."""
+    return {f.name: getattr(choice, f.name) for f in dataclasses.fields(choice)}
 
 
 def _pairs(value: Any, kind: Callable[[Any], Any]) -> tuple[tuple[int, Any], ...]:
@@ -96,10 +94,10 @@ def _integer(value: Any) -> int:
     return value
 
 
-def decode(text: str) -> ChunkSizeChoice:
-    """The choice `encode` wrote; `ValueError` where the text is not one."""
+def decode(entry: Any) -> ChunkSizeChoice:
+    """The choice `encode` wrote, from its JSON object; `ValueError` where `entry`
+    is not one."""
     try:
-        entry = json.loads(text)
         keep = entry["keep_boundaries"]
         choice = ChunkSizeChoice(
             chunk_size=_integer(entry["chunk_size"]),
@@ -144,7 +142,7 @@ def read(name: str | None) -> tuple[ChunkSizeChoice, int] | None:
         return None
     try:
         entry = json.loads((folder / f"{name}.json").read_text())
-        return decode(json.dumps(entry["choice"])), _integer(entry["checked"])
+        return decode(entry["choice"]), _integer(entry["checked"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -155,7 +153,7 @@ def write(name: str | None, choice: ChunkSizeChoice, checked: int) -> None:
     folder = directory()
     if name is None or folder is None:
         return
-    entry = {"choice": json.loads(encode(choice)), "checked": checked}
+    entry = {"choice": encode(choice), "checked": checked}
     temporary = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

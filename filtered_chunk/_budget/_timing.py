@@ -4,8 +4,8 @@ element of a chunk, so its gradient ran fastest at chunks several times the mode
 size (`benchmarks/budget.py`, workload (f)). By default (`MemoryBudget(...,
 tune=None)`) on CPU the sizes are timed where that costs at most
 `max(FLOOR_SECONDS, SEARCH_FACTOR * the search's own seconds)` more; with
-`tune=True` always, on any device; with `tune=False` never. A timed choice is
-stored (`_store.py`): later processes reuse it, so it does not vary between them.
+`tune=True` always, on any device; with `tune=False` never. The choice is stored
+(`_store.py`): later processes reuse it, so it does not vary between them.
 """
 
 import math
@@ -183,13 +183,12 @@ def bounded(
     within `TIE` of it (a plateau, where one run's noise could stop a
     descent), each while it fits the budget (`measure`: its bytes) and the time
     left (its compilation, `per_size` seconds, and two runs at the speed of the
-    fastest so far); each
-    size the fastest of up to three runs (`sample`). Then rounds while
-    time is left; where the rounds make another size the fastest and it has
-    untimed neighbours, the descent goes on from it. Empty (the model's choice
-    stands) where fewer than two sizes fit the bound; `None` (the same, but not
-    stored: a later process may have the room) where a copy of the arguments
-    beside the budget could crowd the free memory."""
+    fastest so far); each size the fastest of up to three runs (`sample`). Then
+    rounds while time is left; where the rounds make another size the fastest
+    and it has untimed neighbours, the descent goes on from it. Empty (the
+    model's choice stands) where fewer than two sizes fit the bound; `None` (the
+    same, but not stored: a later process may have the room) where a copy of the
+    arguments beside the budget could crowd the free memory."""
     if argument_bytes + limit > available_bytes() // 2:
         return None
     warm = {k: sample(run(k))}  # also makes the example arguments
