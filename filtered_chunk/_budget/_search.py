@@ -247,6 +247,83 @@ def program_bytes(
     return _pullback(run, tree, k)[3].total
 
 
+class _Measurements:
+    """The sizes' programs as one search compiles them: their bytes (`tried`,
+    and `complete`: those measured as every program they run, under reverse
+    mode), the compiled programs to time (`timing`), and the seconds spent
+    compiling. Measurements are also cached in memory, keyed on `base`."""
+
+    def __init__(
+        self,
+        program: ChunkedProgram,
+        base: Hashable | None,
+        batch_size: int,
+        limit: int,
+        reverse: bool,
+        timing: str | None,
+    ):
+        self.program, self.base, self.batch_size = program, base, batch_size
+        self.limit, self.reverse, self.timing = limit, reverse, timing
+        self.tried: dict[int, Measured] = {}
+        self.complete: set[int] = set()
+        self.runs: dict[int, Callable[[], Any]] = {}  # to time
+        self.compiling = 0.0  # seconds, for the default's bound
+
+    def _chunk(self, k: int) -> int | None:
+        return None if k >= self.batch_size else k
+
+    def once(self, k: int, linearize: bool) -> Measured | None:
+        """One program of size `k` (the linearisation's, if `linearize`) compiled
+        and measured, or found in the cache (`None`: no linearisation)."""
+        key = None if self.base is None else (self.base, k, linearize)
+        if key in _measured:
+            return _measured[key]
+        begin = time.perf_counter()
+        if linearize:
+            found = linearisation(self.program, self._chunk(k))
+        else:
+            found, run = self.program.compile(self._chunk(k))
+            if self.timing:  # the program that runs, to time
+                self.runs[k] = run
+        self.compiling += time.perf_counter() - begin
+        _remember(_measured, key, found)
+        return found
+
+    def run(self, k: int) -> Callable[[], Any]:
+        """The compiled program of size `k`, to time."""
+        # Sizes measured from the cache, which keeps no compiled programs, compile.
+        if k not in self.runs:
+            begin = time.perf_counter()
+            self.runs[k] = self.program.compile(self._chunk(k))[1]
+            self.compiling += time.perf_counter() - begin
+        return self.runs[k]
+
+    def measure(self, k: int, full: bool = False) -> Measured:
+        """The bytes of size `k`: under reverse mode a pullback's or a
+        linearisation's (`_with_linearisation`), both if `full`."""
+        if k not in self.tried or full:
+            found = self.once(k, False)
+            assert found is not None
+            found, both = _with_linearisation(
+                found, lambda: self.once(k, True), self.reverse, self.limit, full
+            )
+            if both:
+                self.complete.add(k)
+            self.tried[k] = found
+        return self.tried[k]
+
+    def total(self, k: int) -> int:
+        return self.measure(k).total
+
+    def refusal(self, api: str, budget: MemoryBudget) -> ValueError:
+        """The error for a budget that no size fits, from both programs of the
+        smallest (the second may make another the smallest)."""
+        tried = self.tried
+        while (k := min(tried, key=lambda s: (tried[s].total, s))) not in self.complete:
+            self.measure(k, True)
+        return too_small(api, budget, self.limit, tried, self.batch_size, self.reverse)
+
+
 def search(
     program: ChunkedProgram,
     base: Hashable | None,
@@ -263,85 +340,21 @@ def search(
     largest measured to fit `limit`, or the speed model's if smaller and fitting,
     or (`timing`: `_timing.mode`) the fastest of a few that fit; the bytes of its
     program as compiled (`program_bytes`); and whether a later process may reuse
-    the choice (not where timing was skipped for want of free memory, which a
-    later process may have)."""
+    the choice (`_timed`)."""
     start = time.perf_counter()
-    tried: dict[int, Measured] = {}
-    complete: set[int] = set()  # sizes measured as every program they run
-    runs: dict[int, Callable[[], Any]] = {}  # to time
-    compiling = [0.0]  # seconds, for the default's bound
-    chunk = lambda k: None if k >= batch_size else k  # noqa: E731
-
-    def _once(k: int, linearize: bool) -> Measured | None:
-        key = None if base is None else (base, k, linearize)
-        if key in _measured:
-            return _measured[key]
-        begin = time.perf_counter()
-        if linearize:
-            found = linearisation(program, chunk(k))
-        else:
-            found, run = program.compile(chunk(k))
-            if timing:  # the program that runs, to time
-                runs[k] = run
-        compiling[0] += time.perf_counter() - begin
-        _remember(_measured, key, found)
-        return found
-
-    def _run(k: int) -> Callable[[], Any]:
-        # Sizes measured from the cache, which keeps no compiled programs, compile.
-        if k not in runs:
-            begin = time.perf_counter()
-            runs[k] = program.compile(chunk(k))[1]
-            compiling[0] += time.perf_counter() - begin
-        return runs[k]
-
-    def _measure(k: int, full: bool = False) -> Measured:
-        # Reverse mode is a pullback or a linearisation: `_with_linearisation`.
-        if k not in tried or full:
-            found = _once(k, False)
-            assert found is not None
-            found, both = _with_linearisation(
-                found, lambda: _once(k, True), reverse, limit, full
-            )
-            if both:
-                complete.add(k)
-            tried[k] = found
-        return tried[k]
-
-    def _refusal() -> ValueError:
-        # Both programs of the smallest (the second may make another the smallest).
-        while (k := min(tried, key=lambda s: (tried[s].total, s))) not in complete:
-            _measure(k, True)
-        return too_small(api, budget, limit, tried, batch_size, reverse)
-
+    m = _Measurements(program, base, batch_size, limit, reverse, timing)
     sizes = Sizes(batch_size, remainder)
     # One size is kept back for the model's.
-    largest = _search(_measure, sizes, limit, _refusal, lambda: len(tried) + 1)
-    element = _element_bytes({s: m.total for s, m in tried.items()}, sizes)
+    refusal = lambda: m.refusal(api, budget)  # noqa: E731
+    largest = _search(m.measure, sizes, limit, refusal, lambda: len(m.tried) + 1)
+    tried = m.tried
+    element = _element_bytes({s: x.total for s, x in tried.items()}, sizes)
     cap = _model.cache_cap(element)
     k = largest
     capped = largest if cap is None or cap >= largest else _model_size(sizes, cap)
     if capped < largest and (capped in tried or len(tried) < MAX_COMPILATIONS):
-        k = capped if _measure(capped).total <= limit else largest
-    times: dict[int, float] = {}
-    storable = True
-    if timing == "always":  # sizes from half the model's to the largest
-        ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
-        fitting = [s for s in sorted({*ladder, k}) if _measure(s).total <= limit]
-        times = _timing.time_each({s: _run(s) for s in fitting})
-    elif timing:
-        # A descent from the model's size, within a bound.
-        spent = time.perf_counter() - start
-        allowance = max(_timing.FLOOR_SECONDS, _timing.SEARCH_FACTOR * spent)
-        per_size = compiling[0] / max(len(tried), 1)
-        arguments = sum(map(argument_bytes, program.structs))
-        ladder = _timing.neighbours(k, largest, sizes.at_most)
-        bytes_at = lambda s: _measure(s).total  # noqa: E731
-        bounded = _timing.bounded(
-            k, ladder, bytes_at, _run, limit, allowance, per_size, arguments
-        )
-        storable = bounded is not None
-        times = bounded or {}
+        k = capped if m.total(capped) <= limit else largest
+    times, storable = _timed(m, k, largest, sizes, time.perf_counter() - start)
     if times:
         k = min(times, key=lambda s: (times[s], s))
     chosen = ChunkSizeChoice(
@@ -356,6 +369,31 @@ def search(
         working_set=tuple((s, s * element) for s in sorted(tried)),
         times=tuple(sorted(times.items())),
     )
-    checked = _once(k, False)
+    checked = m.once(k, False)
     assert checked is not None
     return chosen, checked.total, storable
+
+
+def _timed(
+    m: _Measurements, k: int, largest: int, sizes: Sizes, spent: float
+) -> tuple[dict[int, float], bool]:
+    """The times of the sizes that `m.timing` says to time (`_timing.mode`), by
+    size, around the model's `k` and up to the `largest` that fits, `spent`
+    seconds into the search; and whether a later process may reuse the choice
+    (not where timing was skipped for want of free memory, which a later
+    process may have)."""
+    if m.timing == "always":  # sizes from half the model's to the largest
+        ladder = _timing.ladder(max(k // 2, 1), largest, sizes.at_most)
+        fitting = [s for s in sorted({*ladder, k}) if m.total(s) <= m.limit]
+        return _timing.time_each({s: m.run(s) for s in fitting}), True
+    if not m.timing:
+        return {}, True
+    # A descent from the model's size, within a bound.
+    allowance = max(_timing.FLOOR_SECONDS, _timing.SEARCH_FACTOR * spent)
+    per_size = m.compiling / max(len(m.tried), 1)
+    arguments = sum(map(argument_bytes, m.program.structs))
+    ladder = _timing.neighbours(k, largest, sizes.at_most)
+    bounded = _timing.bounded(
+        k, ladder, m.total, m.run, m.limit, allowance, per_size, arguments
+    )
+    return bounded or {}, bounded is not None

@@ -10,12 +10,18 @@ running maximum or minimum: `_accumulate.py`). Its parts:
 - `_schedule.py`: which rows each step computes: in Python numbers
   ([`Steps`][], which the progress reports and the budget search read too) and
   as the loop's arrays ([`Schedule`][]);
+- `_scan.py`: the loop as evaluated, one `lax.scan`;
 - `_rule.py`: the loop's JVP rule, which keeps reverse mode linear in the batch
-  and checkpoints each step only when differentiated;
+  and checkpoints each step only when differentiated, with `_tangents.py`: the
+  output tangents that its scan does not give;
 - `_weak_types.py`: cotangents that keep the weak types the chunk function's
   transpose gives them;
 - `_accumulate.py`: accumulated outputs, their overlap and derivatives.
 """
 
-from ._run import reduced as reduced, run_in_chunks as run_in_chunks
+from ._run import (
+    Chain as Chain,
+    reduced as reduced,
+    run_in_chunks as run_in_chunks,
+)
 from ._schedule import Steps as Steps

@@ -1,17 +1,13 @@
-"""The loop over chunks, with a JVP rule that keeps reverse mode linear in the batch.
+"""The loop's JVP rule, which keeps reverse mode linear in the batch.
 
-[`run_in_chunks`][] hands its loop to [`scan_chunks`][]. Evaluated, it is one
-`lax.scan` that slices each chunk out of the inputs (scan constants) and writes its
-outputs into full-size buffers (scan carries) in place: peak memory is the outputs
-plus one chunk's working set. The evaluated loop holds no `jax.checkpoint`, which
-only matters to differentiation (and which `checkify` cannot transform): the JVP
-rule below is where each step is checkpointed.
+[`run_in_chunks`][] hands its loop to [`scan_chunks`][], evaluated as one
+`lax.scan` (`_scan.py`). Differentiating that loop as written is correct but
+slow. Reverse mode transposes the input slices into updates of a full-size
+cotangent carry and the in-place writes into reads-then-zeroings of another, and
+XLA (measured on CPU) copies such a carry on every step: the gradient of
+`jnp.sin` over 65,536 x 64 elements in chunks of 64 took 2.6 s against 34 ms for
+`jax.vmap`, growing as `batch_size**2 / chunk_size`.
 
-Differentiating that loop as written is correct but slow. Reverse mode transposes
-the input slices into updates of a full-size cotangent carry and the in-place writes
-into reads-then-zeroings of another, and XLA (measured on CPU) copies such a carry
-on every step: the gradient of `jnp.sin` over 65,536 x 64 elements in chunks of 64
-took 2.6 s against 34 ms for `jax.vmap`, growing as `batch_size**2 / chunk_size`.
 So the loop carries a custom JVP rule (via `eqx.filter_custom_jvp`, which keeps
 forward mode, `jvp`, `jacfwd` and `hessian`, working): its scan computes the primal
 chunks as above, but takes the input tangents as scanned inputs (`xs`, the tangent
@@ -33,7 +29,7 @@ rows that no whole chunk covers, so that every row is computed once, as under
 `jax.vmap` (`tests/test_derivatives.py`, the tests of a `custom_vjp`). The
 evaluated loop keeps its one overlapping step.
 
-An input that the loop *relays* (`run_in_chunks(..., relay=...)`: a stage
+An input that the loop *relays* (`Chain.relay`: a stage
 boundary that a later loop reads again) is returned as it is, and its tangent
 rides the scan's carry instead of being split into a stack: each step reads its
 rows, and it leaves the loop as the relayed output's tangent. The transposed loop
@@ -43,7 +39,7 @@ cotangent, not `n` that XLA keeps alive to sum after the last
 (`tests/test_collectives_boundaries.py`,
 `test_kept_cotangent_memory_does_not_grow_with_readers`).
 
-A written output that the caller names (`run_in_chunks(..., carried=...)`: a
+A written output that the caller names (`Chain.carried`: a
 stage boundary kept for the next loop) has its tangent in the scan's carry,
 which starts from the tangent of the spare it is written into (a dead value
 that an earlier loop relayed), if any (`_carried`). The transposed loop reads
@@ -59,7 +55,7 @@ impose: each tangent passes `_weak_types.fork`/`join` where it enters and leaves
 the loop (`tests/test_derivatives.py::test_weak_types_of_derivatives_match_jax`).
 """
 
-from collections.abc import Callable
+import dataclasses
 from typing import Any
 
 import equinox as eqx
@@ -67,14 +63,21 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jaxtyping import Array, Int, PyTree
 
-from .._custom_types import CheckpointSpec, InputArray, is_none
+from .._custom_types import InputArray, is_none
 from .._reporting import report_step
 from .._structs import inexact
-from ._accumulate import sum_rows, zeros_like as _zeros_like
+from ._accumulate import zeros_like as _zeros_like
+from ._scan import ArraysFn, as_arrays, checkpointed, relayed, scan
 from ._schedule import Schedule
+from ._tangents import (
+    covered,
+    leftover,
+    unbatched_tangents,
+    write_rows,
+    zero_tangent,
+)
 from ._weak_types import (
     fork_output,
     fork_outputs,
@@ -84,26 +87,6 @@ from ._weak_types import (
     join_tree,
     strong_and_weak,
 )
-
-
-ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
-
-
-def _as_arrays(tree: PyTree[Any]) -> PyTree[Array]:
-    # `eqx.filter_closure_convert` replays a jaxpr, which returns a literal output
-    # (a constant) as a Python scalar subclass; make it an array (weak as before).
-    return jtu.tree_map(
-        lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree
-    )
-
-
-def checkpointed(fn: Callable[..., Any], checkpoint: CheckpointSpec) -> Callable:
-    """`fn` rematerialised in reverse mode (with a policy), or `fn` itself."""
-    if checkpoint is False:
-        return fn
-    policy = None if checkpoint is True else checkpoint
-    # `prevent_cse=False` is safe (and faster) inside a scan: see `jax.checkpoint`.
-    return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=False)
 
 
 def _jvp_step(
@@ -123,7 +106,7 @@ def _jvp_step(
 
     def _call(_diff: Any) -> Any:
         _fn, _chunk = eqx.combine(_diff, nondiff)
-        return _as_arrays(_fn(_chunk))
+        return as_arrays(_fn(_chunk))
 
     out, t_out = jax.jvp(_call, (diff,), (t_diff,))
     # Two copies of each tangent, for the weak type of its cotangent (`fork`).
@@ -156,33 +139,8 @@ def scan_chunks(
     it: `eqx.filter_custom_jvp` fills in no defaults.
     """
     del rest_fn  # only for the derivative (`_run_jvp`)
-    # No `jax.checkpoint` here: this loop is only ever evaluated (differentiation
-    # goes through `_run_jvp`, which checkpoints), and a `checkpoint` in a program
-    # that is never differentiated only gets in other transformations' way
-    # (`checkify` cannot transform one in jax 0.10).
-    last = loop.batch_size - loop.chunk_size
-
-    def _body(carry: tuple[Any, Any, Any], _: None) -> tuple[Any, None]:
-        # Counting the steps in the carry, rather than reading a start per step
-        # from an array, compiles to one kernel fewer (benchmarks/).
-        _buffers, _, index = carry
-        start = jnp.minimum(index * loop.chunk_size, last)
-        _chunk, _unbatched = _as_arrays(fn(loop.slice(inputs, start)))
-        _buffers = loop.write(_buffers, _chunk, start, loop.first_new(start))
-        # After the write: the report reads the written buffers, so it follows the
-        # step's work.
-        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
-        return (_buffers, _unbatched, index + 1), None
-
-    # The default integer type, as in `loop.starts()`: `checkify` compares the
-    # index with shapes of that type, which strict dtype promotion requires.
-    init = (buffers, unbatched, jnp.zeros((), int))
-    (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
-    return buffers, unbatched, _relayed(jtu.tree_leaves(inputs), loop)
-
-
-def _relayed(leaves: list[Any], loop: Schedule) -> list[Any]:
-    return [leaves[i] for i in loop.relay]
+    buffers, unbatched = scan(fn, inputs, buffers, unbatched, loop)
+    return buffers, unbatched, relayed(jtu.tree_leaves(inputs), loop)
 
 
 @scan_chunks.def_jvp
@@ -200,110 +158,25 @@ def _run_jvp(
     # With a function at the leftover's size, the whole chunks are scanned and the
     # leftover is evaluated on its own: no row is computed twice.
     apart = rest_fn is not None and loop.num_steps > loop.num_whole
-    steps = loop.without_overlap() if apart else loop
     # Each tangent reaches the steps, the first step again (for the unbatched
     # outputs) and the leftover: its cotangent keeps the weak type they give it
     # (`_weak_types.py`).
-    shapes = [(steps.num_steps, 0), (0,)] + ([(0,)] if apart else [])
+    rule = _Rule(fn, inputs, loop, loop.without_overlap() if apart else loop, into)
+    shapes = [(rule.steps.num_steps, 0), (0,)] + ([(0,)] if apart else [])
     (t_fn, t_inputs), steps_probes, first_probes, *rest_probes = fork_tree(
         (t_fn, t_inputs), shapes
     )
-    # A relayed input's tangent rides the carry, each step reading its rows, and
-    # leaves the loop as the relayed output's: in reverse mode the cotangent that
-    # the later loops give it is carried back through this loop's transpose,
-    # each step adding its rows' in place, rather than each loop making a
-    # batch-sized cotangent of its own for XLA to sum after them all (which keeps
-    # them all alive: `benchmarks/cotangent_reads.py`). Every other tangent is
-    # a scanned input, split into a stack of chunks. Below, each input's tangent
-    # (`None`: none) and axis (`in_axes` is a prefix of the inputs).
-    t_def = jtu.tree_structure(inputs)
-    t_leaves = t_def.flatten_up_to(t_inputs)
-    axes = t_def.flatten_up_to(
-        jtu.tree_map(lambda a, x: jtu.tree_map(lambda _: a, x), loop.in_axes, inputs)
-    )
-    t_relay = _relayed(t_leaves, loop)
-    t_written = [
-        _zeros_like(buffers[j]) if t_buffers[j] is None else t_buffers[j] for j in into
-    ]
-    t_chunks = jtu.tree_unflatten(
-        t_def,
-        [
-            None if t is None or i in loop.relay else steps.split(t, axis)
-            for i, (t, axis) in enumerate(zip(t_leaves, axes, strict=True))
-        ],
-    )
-    rows = lambda t, start, i: lax.dynamic_slice_in_dim(  # noqa: E731
-        t, start, steps.chunk_size, axes[i], allow_negative_indices=False
-    )
-
-    def _with_rows(_t_chunk: Any, carried: list[tuple[int, Any]]) -> Any:
-        # Rows of carried tangents (input position, rows), among the chunks'.
-        if not carried:
-            return _t_chunk
-        leaves = t_def.flatten_up_to(_t_chunk)
-        for i, t in carried:
-            if t is not None:
-                leaves[i] = t
-        return jtu.tree_unflatten(t_def, leaves)
-
-    def _with_relayed(_t_chunk: Any, _t_relay: list[Any], start: Any) -> Any:
-        # Each relayed tangent's rows at `start`, among the chunks' tangents.
-        return _with_rows(
-            _t_chunk,
-            [
-                (i, None if t is None else rows(t, start, i))
-                for i, t in zip(loop.relay, _t_relay, strict=True)
-            ],
-        )
-
+    t_relay, t_written, t_chunks = rule.tangents(t_inputs, buffers, t_buffers)
     step = checkpointed(_jvp_step, loop.checkpoint)
-    # The tangents of accumulated sums are summed in the carry, as their primals
-    # are: their size, not the batch's (`_accumulate.py`).
-    t_sums = [
-        _zeros_like(b) if which == "sum" and inexact(b) else None
-        for b, which in zip(buffers, loop.kinds, strict=True)
-    ]
-
-    def _body(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, Any]:
-        _buffers, _, _t_sums, _t_relay, _t_written = carry
-        start, _t_chunk, _probes = xs
-        _t_chunk = _with_relayed(_t_chunk, _t_relay, start)
-        _t_fn, _t_chunk = join_tree((t_fn, _t_chunk), _probes)
-        (_chunk, _unbatched), (_t_out, _) = step(
-            fn, _t_fn, inputs, start, _t_chunk, loop
-        )
-        _buffers = loop.write(_buffers, _chunk, start, steps.first_new(start))
-        # Its operands are primal values: reverse mode reports in the forward pass.
-        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
-        _t_out, _out_probes = fork_outputs(_t_out)
-        _t_sums = [
-            acc if acc is None else acc + steps.row_sum(t, axis, start)
-            for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
-        ]
-        _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
-        _t_written = [
-            _write_rows(t, _t_out[j], start, steps, loop.axes[j])
-            for j, t in zip(into, _t_written, strict=True)
-        ]
-        _t_out = [None if j in into else t for j, t in enumerate(_t_out)]
-        # `+ 0`, which XLA removes, so that JAX does not see the carry pass through
-        # unchanged: it would hoist it out of the loop, and the transposed loop
-        # would start its cotangent from zeros rather than from the later loops'.
-        _t_relay = [None if t is None else t + 0 for t in _t_relay]
-        carry = (_buffers, _unbatched, _t_sums, _t_relay, _t_written)
-        return carry, (_t_out, _out_probes)
-
-    init = (buffers, unbatched, t_sums, t_relay, t_written)
-    (buffers, unbatched, t_sums, t_relay, t_written), (t_stacks, out_probes) = lax.scan(
-        _body, init, (steps.starts(), t_chunks, steps_probes)
+    buffers, unbatched, t_relay, t_stacks, out_probes = rule.scan(
+        step,
+        t_fn,
+        (buffers, unbatched),
+        (t_relay, t_written, t_chunks),
+        steps_probes,
     )
-    # An accumulated sum's tangent is its carry; a running maximum's is zero; a
-    # carried one's is its carry (see `_covered`).
-    t_stacks = [t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)]
-    for j, t in zip(into, t_written, strict=True):
-        t_stacks[j] = t
     if rest_fn is not None and apart:
-        buffers, t_rows, out_probes = _leftover(
+        buffers, t_rows, out_probes = leftover(
             step,
             rest_fn,
             t_rest_fn,
@@ -312,40 +185,186 @@ def _run_jvp(
             buffers,
             (t_stacks, out_probes),
             loop,
-            tuple(into),
+            into,
         )
     else:
-        t_rows = [
+        t_rows = rule.merged(t_stacks)
+    t_buffers = [
+        zero_tangent(b) if t is None else join(t, probe, _weak(b))
+        for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
+    ]
+    t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
+    t_first = rule.with_relayed(t_first, t_relay, jnp.array(0))
+    t_first = join_tree((t_fn, t_first), first_probes)
+    t_unbatched = unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
+    t_unbatched = jtu.tree_map(
+        lambda u, t: zero_tangent(u) if t is None else join(*fork_output(t), _weak(u)),
+        unbatched,
+        t_unbatched,
+    )
+    out_relayed = relayed(jtu.tree_leaves(inputs), loop)
+    t_relayed = [
+        zero_tangent(x) if t is None else t
+        for x, t in zip(out_relayed, t_relay, strict=True)
+    ]
+    return (buffers, unbatched, out_relayed), (t_buffers, t_unbatched, t_relayed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What the steps of the JVP rule's loop share: the chunk function `fn` (its
+    arrays as leaves), the loop's `inputs`, the loop as the caller wrote it
+    (`loop`), the steps the rule scans (`steps`: without the overlapping one
+    where the leftover is evaluated apart) and the outputs whose tangents ride
+    carries (`into`: `_carried`)."""
+
+    fn: ArraysFn
+    inputs: PyTree[InputArray]
+    loop: Schedule
+    steps: Schedule
+    into: tuple[int, ...]
+
+    @property
+    def _treedef(self) -> Any:
+        return jtu.tree_structure(self.inputs)
+
+    @property
+    def _axes(self) -> list[int]:
+        """Each input leaf's mapped axis (`in_axes` is a prefix of the inputs)."""
+        in_axes = jtu.tree_map(
+            lambda a, x: jtu.tree_map(lambda _: a, x), self.loop.in_axes, self.inputs
+        )
+        return self._treedef.flatten_up_to(in_axes)
+
+    def tangents(
+        self, t_inputs: Any, buffers: list[Array], t_buffers: list[Any]
+    ) -> tuple[list[Any], list[Array], Any]:
+        """The input tangents as the loop carries or scans them, and the carries
+        of the written outputs' tangents (`into`: from the buffers' tangents, or
+        zeros).
+
+        A relayed input's tangent rides the carry, each step reading its rows,
+        and leaves the loop as the relayed output's: in reverse mode the
+        cotangent that the later loops give it is carried back through this
+        loop's transpose, each step adding its rows' in place, rather than each
+        loop making a batch-sized cotangent of its own for XLA to sum after them
+        all (which keeps them all alive: `benchmarks/cotangent_reads.py`). Every
+        other tangent is a scanned input, split into a stack of chunks (`None`:
+        none)."""
+        t_leaves = self._treedef.flatten_up_to(t_inputs)
+        axes = self._axes
+        t_relay = relayed(t_leaves, self.loop)
+        t_written = [
+            _zeros_like(buffers[j]) if t_buffers[j] is None else t_buffers[j]
+            for j in self.into
+        ]
+        t_chunks = jtu.tree_unflatten(
+            self._treedef,
+            [
+                None if t is None or i in self.loop.relay else self.steps.split(t, axis)
+                for i, (t, axis) in enumerate(zip(t_leaves, axes, strict=True))
+            ],
+        )
+        return t_relay, t_written, t_chunks
+
+    def with_relayed(self, t_chunk: Any, t_relay: list[Any], start: Any) -> Any:
+        """Each relayed tangent's rows at `start`, among the chunk's tangents."""
+        if not self.loop.relay:
+            return t_chunk
+        axes = self._axes
+        leaves = self._treedef.flatten_up_to(t_chunk)
+        for i, t in zip(self.loop.relay, t_relay, strict=True):
+            if t is not None:
+                leaves[i] = lax.dynamic_slice_in_dim(
+                    t,
+                    start,
+                    self.steps.chunk_size,
+                    axes[i],
+                    allow_negative_indices=False,
+                )
+        return jtu.tree_unflatten(self._treedef, leaves)
+
+    def scan(
+        self,
+        step: Any,
+        t_fn: Any,
+        primals: tuple[list[Array], PyTree[Array]],
+        carried: tuple[list[Any], list[Array], Any],
+        probes: Any,
+    ) -> tuple[list[Array], PyTree[Array], list[Any], list[Any], list[Any]]:
+        """The loop's steps with their tangents: the buffers, the unbatched
+        outputs, the relayed tangents, each output's tangent (a stack of
+        chunks; an accumulated sum's or a carried one's, whole) and the
+        probes of its weak type."""
+        buffers, unbatched = primals
+        t_relay, t_written, t_chunks = carried
+        loop, steps, into = self.loop, self.steps, self.into
+        # The tangents of accumulated sums are summed in the carry, as their
+        # primals are: their size, not the batch's (`_accumulate.py`).
+        t_sums = [
+            _zeros_like(b) if which == "sum" and inexact(b) else None
+            for b, which in zip(buffers, loop.kinds, strict=True)
+        ]
+
+        def _body(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[Any, Any]:
+            _buffers, _, _t_sums, _t_relay, _t_written = carry
+            start, _t_chunk, _probes = xs
+            _t_chunk = self.with_relayed(_t_chunk, _t_relay, start)
+            _t_fn, _t_chunk = join_tree((t_fn, _t_chunk), _probes)
+            (_chunk, _unbatched), (_t_out, _) = step(
+                self.fn, _t_fn, self.inputs, start, _t_chunk, loop
+            )
+            _buffers = loop.write(_buffers, _chunk, start, steps.first_new(start))
+            # Its operands are primal values: reverse mode reports in the forward
+            # pass.
+            report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
+            _t_out, _out_probes = fork_outputs(_t_out)
+            _t_sums = [
+                acc if acc is None else acc + steps.row_sum(t, axis, start)
+                for acc, t, axis in zip(_t_sums, _t_out, loop.axes, strict=True)
+            ]
+            _t_out = [None if k is not None else t for t, k in zip(_t_out, loop.kinds)]
+            _t_written = [
+                write_rows(t, _t_out[j], start, steps, loop.axes[j])
+                for j, t in zip(into, _t_written, strict=True)
+            ]
+            _t_out = [None if j in into else t for j, t in enumerate(_t_out)]
+            # `+ 0`, which XLA removes, so that JAX does not see the carry pass
+            # through unchanged: it would hoist it out of the loop, and the
+            # transposed loop would start its cotangent from zeros rather than
+            # from the later loops'.
+            _t_relay = [None if t is None else t + 0 for t in _t_relay]
+            carry = (_buffers, _unbatched, _t_sums, _t_relay, _t_written)
+            return carry, (_t_out, _out_probes)
+
+        init = (buffers, unbatched, t_sums, t_relay, t_written)
+        (buffers, unbatched, t_sums, t_relay, t_written), (t_stacks, out_probes) = (
+            lax.scan(_body, init, (steps.starts(), t_chunks, probes))
+        )
+        # An accumulated sum's tangent is its carry; a running maximum's is zero;
+        # a carried one's is its carry (see `covered`).
+        t_stacks = [
+            t if s is None else s for t, s in zip(t_stacks, t_sums, strict=True)
+        ]
+        for j, t in zip(into, t_written, strict=True):
+            t_stacks[j] = t
+        return buffers, unbatched, t_relay, t_stacks, out_probes
+
+    def merged(self, t_stacks: list[Any]) -> list[Any]:
+        """Each output's tangent from the scan's (no leftover evaluated apart)."""
+        loop, steps = self.loop, self.steps
+        return [
             None
             if t is None
             else t
             if which is not None
-            else _covered(t, steps, axis)
-            if j in into
+            else covered(t, steps, axis)
+            if j in self.into
             else loop.merge(t, axis)
             for j, (t, axis, which) in enumerate(
                 zip(t_stacks, loop.axes, loop.kinds, strict=True)
             )
         ]
-    t_buffers = [
-        _zero_tangent(b) if t is None else join(t, probe, _weak(b))
-        for t, probe, b in zip(t_rows, out_probes, buffers, strict=True)
-    ]
-    t_first = jtu.tree_map(lambda t: None if t is None else t[0], t_chunks)
-    t_first = _with_relayed(t_first, t_relay, jnp.array(0))
-    t_first = join_tree((t_fn, t_first), first_probes)
-    t_unbatched = _unbatched_tangents(step, fn, inputs, t_first, unbatched, loop)
-    t_unbatched = jtu.tree_map(
-        lambda u, t: _zero_tangent(u) if t is None else join(*fork_output(t), _weak(u)),
-        unbatched,
-        t_unbatched,
-    )
-    relayed = _relayed(jtu.tree_leaves(inputs), loop)
-    t_relayed = [
-        _zero_tangent(x) if t is None else t
-        for x, t in zip(relayed, t_relay, strict=True)
-    ]
-    return (buffers, unbatched, relayed), (t_buffers, t_unbatched, t_relayed)
 
 
 def _carried(buffers: list[Array], loop: Schedule) -> tuple[int, ...]:
@@ -378,125 +397,3 @@ def _carried(buffers: list[Array], loop: Schedule) -> tuple[int, ...]:
         for j, (b, which) in enumerate(zip(buffers, loop.kinds, strict=True))
         if j in loop.carried and which is None and inexact(b) and not _weak(b)
     )
-
-
-def _write_rows(carry: Array, t: Any, start: Any, steps: Schedule, axis: int) -> Array:
-    """A step's rows `t` of an output's tangent written into `carry` at `start`.
-
-    A row that an overlapping last step computes again gets the mean of its two
-    copies (the carry's rows before the step, and `t`), as `Schedule.merge`
-    gives it."""
-    assert t is not None  # an inexact output's tangent
-    if steps.overlaps:
-        last = steps.batch_size - steps.chunk_size
-        twice = steps.num_whole * steps.chunk_size - last  # the overlap's rows
-        old = lax.dynamic_slice_in_dim(carry, start, twice, axis)
-        mean = 0.5 * (old + lax.slice_in_dim(t, 0, twice, axis=axis))
-        mixed = jnp.concatenate(
-            [mean, lax.slice_in_dim(t, twice, None, axis=axis)], axis
-        )
-        # A scalar predicate: a residual of a step, not a chunk of them.
-        t = lax.select_n(start == last, t, mixed)
-    return lax.dynamic_update_slice_in_dim(
-        carry, t, start, axis, allow_negative_indices=False
-    )
-
-
-def _covered(t: Array, steps: Schedule, axis: int) -> Array:
-    """A carried tangent, zero in the rows that no step writes (a separate
-    remainder's, which `run_in_chunks` evaluates in a loop of its own), as
-    `Schedule.merge` leaves them: the carry started from a buffer's tangent."""
-    covered = steps.num_steps * steps.chunk_size
-    if covered >= steps.batch_size:
-        return t
-    shape = list(t.shape)
-    shape[axis] = steps.batch_size - covered
-    rest = jnp.zeros(shape, t.dtype)
-    return lax.dynamic_update_slice_in_dim(t, rest, covered, axis)
-
-
-def _zero_tangent(x: Array) -> Any:
-    """The zero tangent of an output that has none (an integer one, a running
-    maximum): explicit, since Equinox 0.13.1 makes one with an API that JAX 0.10
-    removed."""
-    if inexact(x):
-        return _zeros_like(x)
-    return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _leftover(
-    step: Callable[..., Any],
-    rest_fn: ArraysFn,
-    t_rest_fn: Any,
-    inputs_and_tangents: tuple[PyTree[InputArray], PyTree[InputArray | None]],
-    probes: Any,
-    buffers: list[Array],
-    scanned: tuple[list[Any], list[Any]],
-    loop: Schedule,
-    carried: tuple[int, ...],
-) -> tuple[list[Array], list[Any], list[Any]]:
-    """The leftover's rows, evaluated apart: written into `buffers`, their
-    tangents after the whole chunks' (`scanned`: stacks and their probes, or for
-    the outputs at the positions `carried`, a carried tangent, whose leftover rows
-    are still its spare's)."""
-    inputs, t_inputs = inputs_and_tangents
-    rest = loop.leftover()
-    covered = loop.num_whole * loop.chunk_size
-    start = jnp.asarray(covered)
-    t_rest_fn, fn_probes = fork_tree(t_rest_fn, [(0,)])
-    t_rest = jtu.tree_map(
-        lambda axis, t: (
-            None if t is None else lax.slice_in_dim(t, covered, None, axis=axis)
-        ),
-        loop.in_axes,
-        t_inputs,
-        is_leaf=is_none,
-    )
-    t_rest_fn, t_rest = join_tree((t_rest_fn, t_rest), (fn_probes, probes[1]))
-    (chunk, _), (t_out, _) = step(rest_fn, t_rest_fn, inputs, start, t_rest, rest)
-    buffers = loop.write(buffers, chunk, start, None)
-    report_step(loop.reporter, start, rest.chunk_size, buffers)
-    t_out, rest_probes = fork_outputs(t_out)
-    whole = loop.without_overlap()
-    t_rows, probes_out = [], []
-    for j, (t, probe, t_last, last_probe, axis, which) in enumerate(
-        zip(*scanned, t_out, rest_probes, loop.axes, loop.kinds, strict=True)
-    ):
-        if t is None:
-            t_rows.append(None)
-            probes_out.append(None)
-            continue
-        # Both probes see the cotangent of the whole output.
-        if j in carried:
-            t = lax.dynamic_update_slice_in_dim(t, t_last, covered, axis)
-            t_rows.append(join(t, probe))
-        elif which is None:
-            t_rows.append(join(whole.merge(t, axis, t_last), probe))
-        else:  # an accumulated sum: the carry's and the leftover's rows
-            t_rows.append(join(t + sum_rows(t_last, axis), probe))
-        probes_out.append(last_probe)
-    return buffers, t_rows, probes_out
-
-
-def _unbatched_tangents(
-    step: Callable[..., Any],
-    fn: ArraysFn,
-    inputs: PyTree[InputArray],
-    t_first: tuple[Any, PyTree[InputArray | None]],
-    unbatched: PyTree[Array],
-    loop: Schedule,
-) -> PyTree[InputArray | None]:
-    """The tangents of the unbatched outputs, from the first step alone.
-
-    Every step computes the same unbatched outputs, and the loop returns the last
-    step's. Taking their tangents from the loop would give every other step a
-    zero cotangent in reverse mode, and `0 * inf = nan` (an infinite derivative
-    w.r.t. a parameter). So they come from one more evaluation of the first step
-    (only of what the unbatched outputs need, under `jit`), whose transpose is the
-    only one to see their cotangent.
-    """
-    if not any(inexact(u) for u in jtu.tree_leaves(unbatched)):
-        return jtu.tree_map(lambda _: None, unbatched)
-    t_fn, t_chunk = t_first
-    _, (_, t_unbatched) = step(fn, t_fn, inputs, jnp.array(0), t_chunk, loop)
-    return t_unbatched

@@ -24,7 +24,7 @@ concatenating the scanned part with the remainder copies every output (as
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -159,6 +159,35 @@ def _convert(
     return fn, shapes[0]
 
 
+class Chain(NamedTuple):
+    """What a loop in a chain of loops (a staged call's passes, each reading
+    values that an earlier one kept) shares with the others, so that the kept
+    values cost memory once rather than once per loop.
+
+    - `spares`: arrays the caller no longer needs. A written output of exactly
+      a spare's type is written into it rather than into a new buffer (every
+      row is overwritten). XLA gives each loop's outputs memory of their own,
+      even once they are dead, but writes a loop's carry in place: so a caller
+      running loops one after another keeps the memory of the dead ones in use.
+    - `relay`: positions, among the leaves of the loop's inputs, of inputs
+      that the loop returns as they are: a later loop that reads one of them
+      again should read the returned array. In reverse mode its cotangent then
+      accumulates through the loops that read it, one batch-sized buffer in
+      all, where each loop would otherwise make one of its own and XLA keep
+      them all alive to sum them (`_rule.py`).
+    - `carried`: positions, among the batched outputs, of written ones whose
+      tangents ride the loop's carry (`_rule.py`, `_carried`), started from the
+      tangent of the spare written into, if any: in reverse mode each loop of a
+      chain that reads a kept value and keeps the next then passes two
+      cotangent buffers back and forth, where each would otherwise make one of
+      its own. For outputs that later loops read, not the call's own.
+    """
+
+    spares: Sequence[Array] = ()
+    relay: Sequence[int] = ()
+    carried: Sequence[int] = ()
+
+
 def run_in_chunks(
     chunk_fn: ChunkFn,
     inputs: PyTree[InputArray],
@@ -167,9 +196,7 @@ def run_in_chunks(
     batch_size: int,
     options: LoopOptions,
     loop: str | None = None,
-    spares: Sequence[Array] = (),
-    relay: Sequence[int] = (),
-    carried: Sequence[int] = (),
+    chain: Chain = Chain(),
 ) -> tuple[ChunkOutput, list[Array]]:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
@@ -177,38 +204,12 @@ def run_in_chunks(
     at full batch size and the accumulated ones reduced over the batch
     (`reduced`); with `chunk_size >= batch_size`, that one `vmap`. Each step
     reports to the options' progress meter (labelled with their `api`, and
-    `loop` if one of several): see `_reporting.py`.
-
-    Also returns the inputs at the positions `relay` (among the leaves of
-    `inputs`), as they are: a later loop that reads one of them again should read
-    the returned array. In reverse mode its cotangent then accumulates through
-    the loops that read it, one batch-sized buffer in all, where each loop would
-    otherwise make one of its own and XLA keep them all alive to sum them
-    (`_rule.py`).
-
-    `spares` are arrays the caller no longer needs: a written output of exactly
-    a spare's type is written into it rather than into a new buffer (every row
-    is overwritten). XLA gives each loop's outputs memory of their own, even
-    once they are dead, but writes a loop's carry in place: so a caller running
-    loops one after another keeps the memory of the dead ones in use.
-
-    `carried` are positions, among the batched outputs, of written ones whose
-    tangents ride the loop's carry (`_rule.py`, `_carried`), started from the
-    tangent of the spare written into, if any: in reverse mode each loop of a
-    chain that reads a kept value and keeps the next then passes two cotangent
-    buffers back and forth, where each would otherwise make one of its own. For
-    outputs that later loops read, not the call's own.
+    `loop` if one of several): see `_reporting.py`. Also returns the inputs
+    that the loop relays (`chain`: what it shares with the loops before and
+    after it).
     """
-    if options.chunk_size >= batch_size:  # one `vmap` of the batch
-        # A call not split into chunks reports nothing, unless it is one of a
-        # call's loops (a staged pass on a shard): then it reports one step.
-        steps = Steps(batch_size, batch_size, 1, 0)
-        meter = options.progress_meter if batch_size and loop else None
-        found = reporter(meter, options.api, steps, loop)
-        out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
-        report_step(found, jnp.asarray(0), batch_size, out.batched)
-        leaves = jtu.tree_leaves(inputs)
-        return out, [leaves[i] for i in relay]
+    if options.chunk_size >= batch_size:
+        return _one_vmap(chunk_fn, inputs, batch_size, options, loop, chain.relay)
     steps = Steps.of(batch_size, options.chunk_size, options.remainder)
     found = reporter(options.progress_meter, options.api, steps, loop)
     chunk_fn = quiet(chunk_fn, found)  # nested chunked calls do not report
@@ -220,7 +221,7 @@ def run_in_chunks(
     buffers = [
         _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
     ]
-    buffers = _reuse(buffers, kinds, spares, carried)
+    buffers = _reuse(buffers, kinds, chain.spares, chain.carried)
     unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
 
     # The derivative of an overlapping last step gives each copy of a recomputed
@@ -249,32 +250,69 @@ def run_in_chunks(
             found,
             kinds,
             tuple(relay),
-            tuple(carried),
+            tuple(chain.carried),
         )
 
-    whole = _schedule(batch_size, chunk_size, num_steps, found, relay)
+    whole = _schedule(batch_size, chunk_size, num_steps, found, chain.relay)
     buffers, unbatched, relayed = scan_chunks(
         fn, inputs, buffers, unbatched, rest_fn, loop=whole
     )
     if leftover != 0:
-        # The remainder is a loop of one step on its own slice of the batch, so
-        # that it gets the same derivative rule as the loop over whole chunks.
-        start = batch_size - leftover
-        rest = jtu.tree_map(
-            lambda axis, x: slice_rest(x, start, leftover, axis), in_axes, inputs
-        )
-        fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
-        rest_buffers = [
-            _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
-        ]
         one = _schedule(leftover, leftover, 1, None)
-        rest_buffers, unbatched, _ = scan_chunks(
-            fn, rest, rest_buffers, unbatched, None, loop=one
-        )
-        # The accumulators of the whole chunks, then the remainder's (its own).
-        buffers = [
-            _write_one(b, r, a, start) if k is None else combine(k, b, r)
-            for b, r, a, k in zip(buffers, rest_buffers, *layout, strict=True)
-        ]
+        rest = (chunk_fn, inputs, in_axes, structs)
+        buffers, unbatched = _separate_rest(rest, buffers, unbatched, one, batch_size)
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
     return shapes._replace(batched=batched, unbatched=unbatched), relayed
+
+
+def _one_vmap(
+    chunk_fn: ChunkFn,
+    inputs: PyTree[InputArray],
+    batch_size: int,
+    options: LoopOptions,
+    loop: str | None,
+    relay: Sequence[int],
+) -> tuple[ChunkOutput, list[Array]]:
+    """`run_in_chunks` of a batch not split into chunks: one `vmap`, which
+    reports nothing, unless it is one of a call's loops (a staged pass on a
+    shard): then it reports one step."""
+    steps = Steps(batch_size, batch_size, 1, 0)
+    meter = options.progress_meter if batch_size and loop else None
+    found = reporter(meter, options.api, steps, loop)
+    out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
+    report_step(found, jnp.asarray(0), batch_size, out.batched)
+    leaves = jtu.tree_leaves(inputs)
+    return out, [leaves[i] for i in relay]
+
+
+def _separate_rest(
+    call: tuple[ChunkFn, PyTree[InputArray], PyTree[int | None], list[Any]],
+    buffers: list[Array],
+    unbatched: PyTree[Array],
+    one: Schedule,
+    batch_size: int,
+) -> tuple[list[Array], PyTree[Array]]:
+    """The rows after the whole chunks (`remainder="separate"`: `one`, a loop
+    of one step on its own slice of the batch, so that it gets the same
+    derivative rule as the loop over whole chunks), written after theirs into
+    `buffers` (`call`: the chunk function, its inputs, their axes and the
+    outputs' types). An accumulator combines the whole chunks' and its own."""
+    chunk_fn, inputs, in_axes, structs = call
+    leftover = one.batch_size
+    start = batch_size - leftover
+    rest = jtu.tree_map(
+        lambda axis, x: slice_rest(x, start, leftover, axis), in_axes, inputs
+    )
+    fn, _ = _convert(chunk_fn, rest, in_axes, leftover)
+    layout = (one.axes, one.kinds)
+    rest_buffers = [
+        _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
+    ]
+    rest_buffers, unbatched, _ = scan_chunks(
+        fn, rest, rest_buffers, unbatched, None, loop=one
+    )
+    buffers = [
+        _write_one(b, r, a, start) if k is None else combine(k, b, r)
+        for b, r, a, k in zip(buffers, rest_buffers, *layout, strict=True)
+    ]
+    return buffers, unbatched

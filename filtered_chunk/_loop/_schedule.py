@@ -84,10 +84,10 @@ class Schedule(eqx.Module):
     # Per output: written (`None`) or accumulated (`_accumulate.py`).
     kinds: tuple[str | None, ...] = eqx.field(static=True, default=())
     # Positions, among the leaves of the inputs, of those the loop relays: returns
-    # to a later loop that reads them again (`run_in_chunks(..., relay=...)`).
+    # to a later loop that reads them again (`Chain.relay`).
     relay: tuple[int, ...] = eqx.field(static=True, default=())
     # Positions, among the outputs, of written ones whose tangents ride carries
-    # (`run_in_chunks(..., carried=...)`).
+    # (`Chain.carried`).
     carried: tuple[int, ...] = eqx.field(static=True, default=())
 
     @property

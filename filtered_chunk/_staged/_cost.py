@@ -15,7 +15,7 @@ from typing import Any
 
 from .._jaxprs import subjaxprs
 from ._plan import FINAL, Plan, SHIFT
-from ._run import SAMPLE
+from ._shifts import SAMPLE
 
 
 def _elements(v: Any) -> int:
@@ -55,7 +55,7 @@ def plan_cost(plan: Plan, chunk_size: int) -> tuple[int, float]:
     given to the stages that read them). With every pass's boundaries kept the
     work is about `1.0`: only what depends on the collectives' results alone
     (not kept: it does not vary over the batch) is computed again where read.
-    A variance's shift is evaluated on a sample (`_run.py`: at most `SAMPLE`
+    A variance's shift is evaluated on a sample (`_shifts.py`: at most `SAMPLE`
     elements, nor more than a chunk), which counts as that fraction of the batch.
     """
     eqns = plan.program.jaxpr.eqns

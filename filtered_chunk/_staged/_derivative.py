@@ -38,10 +38,11 @@ from .._jax_compat import batched_none_output
 from .._sharding import across, BatchSharding
 from .._structs import inexact
 from .._summed import as_sums, merge_varying, split_varying
+from ._element import element_fn, with_mapped
 from ._passes import finish, kind, strong
 from ._plan import _schedule, differentiable, Plan
 from ._program import bind
-from ._run import _element_fn, _loop, _with_mapped, forward, VaryingUnmappedOutput
+from ._run import _loop, forward, VaryingUnmappedOutput
 from ._tangents import add_tangents, jvp_held, tangent_or_zero
 
 
@@ -265,7 +266,7 @@ class _TangentLoops:
         eqns, k = plan.program.jaxpr.eqns, plan.program.num_mapped_out
         positions = _positions(plan, stage, ids)
         num_out = len(plan.program.jaxpr.outvars) if stage in (WHOLE, OUTPUTS) else 0
-        element = _element_fn(plan, stage, fixed, results, shifts)
+        element = element_fn(plan, stage, fixed, results, shifts)
         varies: list[bool] = []
 
         def _element(_m: list[Array], _p: Array) -> tuple[list[Any], ...]:
@@ -335,7 +336,7 @@ def _refuse_max_min(plan: Plan, t_fixed: list[Any], t_leaves: list[Any]) -> None
     tangent: JAX defines no derivative of either."""
     jaxpr = plan.program.jaxpr
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
-    tangents = _with_mapped(plan, t_fixed, t_leaves)
+    tangents = with_mapped(plan, t_fixed, t_leaves)
     seeds = [v for v, t in zip(invars, tangents, strict=True) if t is not None]
     moved = differentiable(jaxpr, seeds)
     for i in plan.levels:

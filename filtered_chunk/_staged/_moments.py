@@ -22,7 +22,7 @@ holds for every `y` and `m`, and `K` is a constant). In floating point the
 bracket is the "shifted data" algorithm, with `u` summed from terms as small as
 the spread: its rounding grows with `1 + |u|^2 / variance`; the last term is
 the rounding of `m` squared, as the written form has it (`Moment.correct`). `K`
-is the mean of a sample of the batch (`_run.py`: 256 elements, or a chunk, at
+is the mean of a sample of the batch (`_shifts.py`: 256 elements, or a chunk, at
 an even stride), so `|u|^2` is about the variance over the sample's size for a
 batch of any order, and at worst `N / size` times the variance (the sample's
 own deviations bound it). Where each pair is a square, a bracket that rounding

@@ -16,6 +16,7 @@ from jaxtyping import Array, Int
 
 from .._structs import inexact, typed
 from ._analysis import axis_names
+from ._plan import Plan
 from ._program import bind, GATHERS
 
 
@@ -123,3 +124,43 @@ def unstaged(
     if others:
         out = getattr(lax, name)(out, others)
     return [typed(jnp.asarray(x), v.aval) for x, v in zip(out, eqn.outvars)]
+
+
+def level_results(
+    plan: Plan,
+    level: int,
+    acc: list[Any],
+    gathered: list[Array],
+    shifts: dict[Any, Array],
+) -> dict[int, list[Array]]:
+    """The results of the level's collectives, from what its pass accumulated
+    (`acc`) and gathered: each variance summed about a shift corrected by its
+    mean's result (`Moment.correct`)."""
+    program = plan.program
+    eqns = program.jaxpr.eqns
+    accs, rows = iter(acc), iter(gathered)
+    moments = {moment.variance: moment for moment in plan.moments.get(level, [])}
+    means = {moment.mean: moment.m for moment in plan.moments.get(level, [])}
+    # The sums of the means' operands about the shifts, by the mean's `psum`.
+    about: dict[int, Array] = {}
+    out = {}
+    for i in plan.at_level(level):
+        eqn = eqns[i]
+        parts = [
+            next(rows) if kind(eqn) == "gather" else next(accs) for _ in eqn.invars
+        ]
+        n = program.batch_size
+        if i in means:  # summed about a shift, which adds back in the end
+            about[i] = parts[0]
+            shift = strong(shifts[means[i]])
+            parts = [typed(parts[0] + n * shift, eqn.invars[0].aval)]
+        if i in moments:  # summed about a shift: its mean's result corrects it
+            moment = moments[i]
+            m_eqn = eqns[moment.m_eqn]
+            (m,) = bind(m_eqn, [out[moment.mean][0], m_eqn.invars[1].val])
+            shift = strong(shifts[moment.m])
+            offset = about[moment.mean]
+            summed = moment.correct(parts[0], offset, strong(m), shift, n)
+            parts = [typed(summed, eqn.invars[0].aval)]
+        out[i] = finish(eqn, parts, program.axis_name, program.batch_size)
+    return out

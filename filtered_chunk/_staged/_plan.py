@@ -83,30 +83,13 @@ def _is_var(v: Any) -> bool:
 
 
 def make_plan(program: Program, keep: int = 0) -> Plan:
+    """The plan of `program`: each collective's level, and for each stage (each
+    pass, each variance's shift, the final loop) the equations it evaluates and
+    the kept values it reads and writes; the values that every `keep`-th pass
+    computes are kept (`0`: none)."""
     jaxpr, axis_name = program.jaxpr, program.axis_name
     invars = list(jaxpr.constvars) + list(jaxpr.invars)
-    first = len(program.consts)
-    level = {v: 0 for v in invars}
-    var = {v: first <= i < first + program.num_mapped_in for i, v in enumerate(invars)}
-    levels: dict[int, int] = {}
-    found = find_moments(jaxpr, axis_name, program.batch_size)
-    moments: dict[int, list[Moment]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        in_var = [_is_var(v) and var[v] for v in eqn.invars]
-        lv = max((level[v] for v in eqn.invars if _is_var(v)), default=0)
-        name = eqn.primitive.name
-        if axis_name in axis_names(eqn.params) and name != "axis_index":
-            if i in found and found[i].mean in levels and any(in_var):
-                # A variance about its mean: in the mean's pass.
-                lv = levels[found[i].mean]
-                levels[i] = lv
-                moments.setdefault(lv, []).append(found[i])
-            elif any(in_var) or name in _PER_ELEMENT:
-                lv += 1
-                levels[i] = lv
-        out_var = varying_outputs(eqn, in_var, axis_name)
-        for v, b in zip(eqn.outvars, out_var, strict=True):
-            level[v], var[v] = lv, b
+    levels, moments, var = _levels(program)
     num_passes = max(levels.values(), default=0)
     targets: dict[Any, list[Any]] = {}
     for s in range(1, num_passes + 1):
@@ -146,19 +129,7 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
         schedules[stage], reads[stage] = order, read
         _written(read)
         if keep and stage != FINAL and stage % keep == 0:
-            about_shift = set(given)
-            for i in order:
-                eqn = jaxpr.eqns[i]
-                # What the pass computes about a shift is not the program's value.
-                if any(_is_var(v) and v in about_shift for v in eqn.invars):
-                    about_shift.update(eqn.outvars)
-                    continue
-                # A collective's result is given, or cheap: never buffered.
-                if axis_name in axis_names(eqn.params):
-                    continue
-                for v in eqn.outvars:
-                    if not isinstance(v, jex.DropVar) and var[v] and v not in kept:
-                        kept[v] = stage
+            _keep(jaxpr, axis_name, order, given, var, kept, stage)
     return Plan(
         program,
         levels,
@@ -170,6 +141,65 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
         differentiable(jaxpr, invars),
         moments,
     )
+
+
+def _levels(
+    program: Program,
+) -> tuple[dict[int, int], dict[int, list[Moment]], dict[Any, bool]]:
+    """Each collective's level (by equation), the variances computed in their
+    means' passes (by level), and whether each value of the program varies
+    over the batch."""
+    jaxpr, axis_name = program.jaxpr, program.axis_name
+    invars = list(jaxpr.constvars) + list(jaxpr.invars)
+    first = len(program.consts)
+    level = {v: 0 for v in invars}
+    var = {v: first <= i < first + program.num_mapped_in for i, v in enumerate(invars)}
+    levels: dict[int, int] = {}
+    found = find_moments(jaxpr, axis_name, program.batch_size)
+    moments: dict[int, list[Moment]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        in_var = [_is_var(v) and var[v] for v in eqn.invars]
+        lv = max((level[v] for v in eqn.invars if _is_var(v)), default=0)
+        name = eqn.primitive.name
+        if axis_name in axis_names(eqn.params) and name != "axis_index":
+            if i in found and found[i].mean in levels and any(in_var):
+                # A variance about its mean: in the mean's pass.
+                lv = levels[found[i].mean]
+                levels[i] = lv
+                moments.setdefault(lv, []).append(found[i])
+            elif any(in_var) or name in _PER_ELEMENT:
+                lv += 1
+                levels[i] = lv
+        out_var = varying_outputs(eqn, in_var, axis_name)
+        for v, b in zip(eqn.outvars, out_var, strict=True):
+            level[v], var[v] = lv, b
+    return levels, moments, var
+
+
+def _keep(
+    jaxpr: Any,
+    axis_name: Any,
+    order: list[int],
+    given: set[Any],
+    var: dict[Any, bool],
+    kept: dict[Any, Any],
+    stage: int,
+) -> None:
+    """Adds to `kept` each value that the equations `order` of a stage compute
+    and that varies over the batch, kept by `stage`, but for a collective's
+    result (given, or cheap) and what the pass computes about a shift (the
+    values derived from `given`), which is not the program's value."""
+    about_shift = set(given)
+    for i in order:
+        eqn = jaxpr.eqns[i]
+        if any(_is_var(v) and v in about_shift for v in eqn.invars):
+            about_shift.update(eqn.outvars)
+            continue
+        if axis_name in axis_names(eqn.params):
+            continue
+        for v in eqn.outvars:
+            if not isinstance(v, jex.DropVar) and var[v] and v not in kept:
+                kept[v] = stage
 
 
 def differentiable(jaxpr: Any, seeds: list[Any]) -> frozenset[Any]:

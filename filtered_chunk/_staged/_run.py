@@ -19,21 +19,20 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
 from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
-from .._loop import run_in_chunks
+from .._loop import Chain, run_in_chunks
 from .._sharding import across, BatchSharding
-from .._structs import typed
 from .._summed import as_sums, merge_varying, split_varying
-from ._analysis import axis_names
-from ._passes import finish, kind, read, strong, unstaged
+from ._element import element_fn, positions
+from ._passes import kind, level_results, strong
 from ._plan import check_custom_rules, FINAL, make_plan, Plan, SHIFT
-from ._program import bind, staged_program
+from ._program import staged_program
+from ._shifts import shifted_means, shifts as find_shifts
 
 
 ElementFn = Callable[[list[Array], list[Array]], tuple[list[Any], list[Any], Any]]
@@ -48,51 +47,6 @@ class VaryingUnmappedOutput(ValueError):
             "`run_staged` gives `None` for an output that varies over the batch."
         )
         self.index = index
-
-
-def _evaluate(
-    plan: Plan,
-    stage: Any,
-    args: list[Any],
-    results: dict[int, list[Array]],
-    position: Any,
-    kept: list[Array],
-    shifts: dict[Any, Array],
-) -> list[Any]:
-    """Stage `stage` of the program for one element (at `position` in the batch,
-    with `kept` its rows of the buffers the stage reads, and `shifts` the values
-    that its variances are summed about): its targets, then the values it writes
-    for later stages."""
-    program = plan.program
-    jaxpr, axis_name = program.jaxpr, program.axis_name
-    env = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), args, strict=True))
-    env |= shifts
-    # A buffer holds the value's dtype; its weak type is the program's.
-    env |= {v: typed(x, v.aval) for v, x in zip(plan.reads[stage], kept, strict=True)}
-    get = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    for i in plan.schedules[stage]:
-        eqn = jaxpr.eqns[i]
-        if i in plan.levels:
-            out = read(eqn, results[i], position)
-        elif axis_name in axis_names(eqn.params):
-            invals = [get(v) for v in eqn.invars]
-            out = unstaged(eqn, invals, position, axis_name, program.batch_size)
-        else:
-            out = bind(eqn, [get(v) for v in eqn.invars])
-        for v, x in zip(eqn.outvars, out, strict=True):
-            env[v] = x
-    # A literal output (a constant) gets its type from the jaxpr, weak or not.
-    targets = [
-        typed(jnp.asarray(v.val), v.aval) if isinstance(v, jex.Literal) else env[v]
-        for v in plan.targets[stage]
-    ]
-    return targets + [env[v] for v in plan.writes[stage]]
-
-
-def _with_mapped(plan: Plan, fixed: list[Any], mapped: list[Any]) -> list[Any]:
-    """The program's arguments: `fixed` is its consts then its unmapped inputs."""
-    k = len(plan.program.consts)
-    return fixed[:k] + list(mapped) + fixed[k:]
 
 
 Buffers = dict[Any, Array]  # a kept value of the program -> its batch-sized buffer
@@ -141,25 +95,6 @@ def _spares(plan: Plan, level: int, buffers: Buffers, free: list[Array]) -> list
     return spares
 
 
-def _element_fn(
-    plan: Plan,
-    stage: Any,
-    fixed: list[Any],
-    results: dict[int, list[Array]],
-    shifts: dict[Any, Array] | None = None,
-) -> Callable[[list[Array], Array], list[Any]]:
-    """`_evaluate` of `stage` for one element of the stage's loop's inputs."""
-    num_mapped = plan.program.num_mapped_in
-    shifts = shifts or {}
-
-    def _element(_mapped: list[Array], _position: Array) -> list[Any]:
-        _args = _with_mapped(plan, fixed, _mapped[:num_mapped])
-        kept = _mapped[num_mapped:]
-        return _evaluate(plan, stage, _args, results, _position, kept, shifts)
-
-    return _element
-
-
 def _pass(
     plan: Plan,
     level: int,
@@ -196,16 +131,48 @@ def _pass(
     shifts = {}
     if plan.moments.get(level):
         probe = _stage_inputs(plan, (SHIFT, level), batch, buffers)
-        shifts = _shifts(plan, level, fixed, results, probe, options.chunk_size, shard)
-    element = _element_fn(plan, level, fixed, results, shifts)
+        shifts = find_shifts(
+            plan, level, fixed, results, probe, options.chunk_size, shard
+        )
+    element = element_fn(plan, level, fixed, results, shifts)
     num_written = len(plan.writes[level])
     # The operand of the mean of each variance summed about a shift is summed
-    # about that shift too (`Moment.correct`, `_results`).
-    about = {j: shifts[m] for j, m in _shifted_means(plan, level).items()}
+    # about that shift too (`Moment.correct`, `level_results`).
+    about = {j: shifts[m] for j, m in shifted_means(plan, level).items()}
+    chunk_fn = _operands_fn(element, inputs[1], operands, num_written, about)
+    relay = _relay(plan, level, len(batch[0]))
+    # The kept values' tangents ride the loop's carry, from their spares'
+    # (`Chain.carried`): after the operands' rows (a
+    # maximum's or minimum's and its carrier's, for one with tangents).
+    first = sum(2 if w not in ("gather", "sum") and c else 1 for w, _, c in operands)
+    carried = list(range(first, first + num_written))
+    chain = Chain(spares, relay, carried)
+    out, relayed = _loop(plan, chunk_fn, inputs, options, shard, level, chain)
+    acc, gathered, written = _unpacked(out, operands, num_written, shard)
+    kept = dict(zip(plan.writes[level], written, strict=True))
+    reads = plan.reads[level]
+    kept |= {reads[i - len(batch[0])]: x for i, x in zip(relay, relayed, strict=True)}
+    return level_results(plan, level, acc, gathered, shifts), kept
+
+
+Operand = tuple[str, Any, bool]  # its accumulator kind, aval, and carrier
+
+
+def _operands_fn(
+    element: Callable[[list[Array], Array], list[Any]],
+    in_axes: list[int],
+    operands: list[Operand],
+    num_written: int,
+    about: dict[int, Array],
+) -> Callable[[Any, int], ChunkOutput]:
+    """The chunk function of a pass: each operand's rows (gathered rows written,
+    a reduction's accumulated; `about[j]` subtracted from operand `j`'s), each
+    running maximum's or minimum's carrier where it has tangents, then the kept
+    values it writes."""
 
     def _chunk_fn(_inputs: tuple[list[Array], Array], size: int) -> ChunkOutput:
         del size
-        rows = jax.vmap(element, in_axes=(inputs[1], 0))(*_inputs)
+        rows = jax.vmap(element, in_axes=(in_axes, 0))(*_inputs)
         rows, written = rows[: len(rows) - num_written], rows[len(rows) - num_written :]
         leaves, kinds = [], []
         for j, ((which, _, carried), x) in enumerate(zip(operands, rows, strict=True)):
@@ -225,15 +192,19 @@ def _pass(
         kinds += [None] * num_written
         return ChunkOutput(leaves, (0,) * len(leaves), None, None, tuple(kinds))
 
-    relay = _relay(plan, level, len(batch[0]))
-    # The kept values' tangents ride the loop's carry, from their spares'
-    # (`run_in_chunks(..., carried=...)`): after the operands' rows (a
-    # maximum's or minimum's and its carrier's, for one with tangents).
-    first = sum(2 if w not in ("gather", "sum") and c else 1 for w, _, c in operands)
-    carried = list(range(first, first + num_written))
-    out, relayed = _loop(
-        plan, _chunk_fn, inputs, options, shard, level, spares, relay, carried
-    )
+    return _chunk_fn
+
+
+def _unpacked(
+    out: ChunkOutput,
+    operands: list[Operand],
+    num_written: int,
+    shard: BatchSharding | None,
+) -> tuple[list[Any], list[Array], list[Array]]:
+    """What a pass's loop gives (`_operands_fn`), unpacked: the accumulators (a
+    maximum's or minimum's paired with its carrier, or zeros), the gathered
+    rows and the kept values' buffers. On a sharded batch the accumulators are
+    combined across the devices and the rows gathered."""
     values = list(out.batched)
     values, written = (
         values[: len(values) - num_written],
@@ -254,95 +225,7 @@ def _pass(
         else:
             top = next(values)
             acc.append((top, next(values) if carried else jnp.zeros_like(top)))
-    kept = dict(zip(plan.writes[level], written, strict=True))
-    reads = plan.reads[level]
-    kept |= {reads[i - len(batch[0])]: x for i, x in zip(relay, relayed, strict=True)}
-    return _results(plan, level, acc, gathered, shifts), kept
-
-
-def _shifted_means(plan: Plan, level: int) -> dict[int, Any]:
-    """The position among the level's operands of the mean of each variance that
-    the level's pass computes beside it, and the mean's variable (which keys its
-    shift)."""
-    starts = plan.operand_starts(plan.at_level(level))
-    return {starts[moment.mean]: moment.m for moment in plan.moments.get(level, [])}
-
-
-def _positions(plan: Plan, shard: BatchSharding | None) -> Array:
-    """The positions in the whole batch of this device's elements."""
-    num_devices = 1 if shard is None else shard.num_devices
-    positions = jnp.arange(plan.program.batch_size // num_devices)
-    if shard is not None:  # this device's elements follow those of the ones before
-        device = lax.axis_index(shard.axis_names).astype(positions.dtype)
-        positions = positions + device * positions.shape[0]
-    return positions
-
-
-# At most this many elements, spread evenly over the batch, give a variance's
-# shift: each is evaluated once more (up to its level, from the inputs when the
-# boundaries are not kept).
-SAMPLE = 256
-
-
-def _shifts(
-    plan: Plan,
-    level: int,
-    fixed: list[Any],
-    results: dict[int, list[Array]],
-    inputs: tuple[list[Array], list[int]],
-    chunk_size: int,
-    shard: BatchSharding | None,
-) -> dict[Any, Array]:
-    """The values that the variances of the level's pass are summed about
-    (`_moments.py`), by the variable of their mean: each mean's operand averaged
-    over a sample of this device's elements (of `inputs`, the mapped leaves of
-    the stage `(SHIFT, level)` and their axes) and over the devices, without
-    derivatives.
-
-    The sample is `SAMPLE` elements (nor more than a chunk) at an even stride,
-    so that a sorted batch's sample is like the whole; a whole chunk is more
-    work at a budget's large chunks (the L = 8 BatchNorm MLP's gradient at a
-    quarter of `jax.vmap`'s memory: 2.26x `jax.vmap`'s time, 2.18x with 256,
-    medians of five same-round pairs; 1.25x either way at its full memory). It is
-    evaluated in a loop of two steps of half as many (a `lax.while_loop`, so
-    that a program's `lax.scan`s are its passes): XLA gives a loop's body
-    memory that the other loops reuse, where the same work outside any loop
-    kept its working set beside theirs (measured on CPU: a first chunk of 1,024
-    elements added 1 MiB to the BatchNorm MLP of `benchmarks/collectives.py`, a
-    third of its memory).
-    """
-    positions = _positions(plan, shard)
-    local = positions.shape[0]
-    size = min(SAMPLE, chunk_size, local)
-    steps = 2 if size >= 2 else 1
-    size -= size % steps
-    stride = local // size
-    leaves, axes = inputs
-    stopped = lambda x: lax.stop_gradient(x) if isinstance(x, jax.Array) else x  # noqa: E731
-    fixed, results, leaves = jax.tree.map(stopped, (fixed, results, leaves))
-    element = _element_fn(plan, (SHIFT, level), fixed, results)
-
-    def _step(step: Array, total: list[Array]) -> list[Array]:
-        index = (step * (size // steps) + jnp.arange(size // steps)) * stride
-        part = [jnp.take(x, index, axis=a) for x, a in zip(leaves, axes, strict=True)]
-        rows = jax.vmap(element, in_axes=(axes, 0))(part, positions[index])
-        return [t + jnp.sum(strong(x), axis=0) for t, x in zip(total, rows)]
-
-    # The stage's targets: the operand of each moment's mean.
-    operands = plan.targets[(SHIFT, level)]
-    init = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in operands]
-    # A `while` (not a `scan`, which the passes are), with no derivative: the
-    # shift is a constant of the pass.
-    _, totals = lax.while_loop(
-        lambda c: c[0] < steps, lambda c: (c[0] + 1, _step(*c)), (jnp.array(0), init)
-    )
-    shifts = {}
-    for moment, total in zip(plan.moments[level], totals, strict=True):
-        shift = total / size
-        if shard is not None:
-            shift = across("sum", shift, shard.axis_names) / shard.num_devices
-        shifts[moment.m] = typed(shift.astype(total.dtype), moment.m.aval)
-    return shifts
+    return acc, gathered, list(written)
 
 
 def _loop(
@@ -352,19 +235,16 @@ def _loop(
     options: LoopOptions,
     shard: BatchSharding | None,
     level: int,
-    spares: list[Array] | None = None,
-    relay: list[int] | None = None,
-    carried: list[int] | None = None,
+    chain: Chain = Chain(),
 ) -> tuple[ChunkOutput, list[Array]]:
     """`chunk_fn` over this device's elements (`batch`: the mapped leaves and
     their axes, with each element's position in the whole batch), in the
-    library's loop, reported as loop `level` of the plan's, writing into
-    `spares` where it can, with the tangents of the outputs at the positions
-    `carried` in the loop's carry; and the mapped leaves at the positions
-    `relay`, as the loop relays them."""
-    positions = _positions(plan, shard)
-    batch_size = positions.shape[0]
-    inputs = (list(batch[0]), positions)
+    library's loop, reported as loop `level` of the plan's, sharing memory with
+    the other passes' loops as `chain` says; and the mapped leaves that the loop
+    relays."""
+    at = positions(plan, shard)
+    batch_size = at.shape[0]
+    inputs = (list(batch[0]), at)
     in_axes = (list(batch[1]), 0)
     loops = plan.num_passes + 1
     label = None if loops == 1 else f"loop {level} of {loops}"
@@ -375,47 +255,8 @@ def _loop(
         batch_size=batch_size,
         options=options,
         loop=label,
-        spares=spares or (),
-        relay=relay or (),
-        carried=carried or (),
+        chain=chain,
     )
-
-
-def _results(
-    plan: Plan,
-    level: int,
-    acc: list[Any],
-    gathered: list[Array],
-    shifts: dict[Any, Array],
-) -> dict[int, list[Array]]:
-    program = plan.program
-    eqns = program.jaxpr.eqns
-    accs, rows = iter(acc), iter(gathered)
-    moments = {moment.variance: moment for moment in plan.moments.get(level, [])}
-    means = {moment.mean: moment.m for moment in plan.moments.get(level, [])}
-    # The sums of the means' operands about the shifts, by the mean's `psum`.
-    about: dict[int, Array] = {}
-    out = {}
-    for i in plan.at_level(level):
-        eqn = eqns[i]
-        parts = [
-            next(rows) if kind(eqn) == "gather" else next(accs) for _ in eqn.invars
-        ]
-        n = program.batch_size
-        if i in means:  # summed about a shift, which adds back in the end
-            about[i] = parts[0]
-            shift = strong(shifts[means[i]])
-            parts = [typed(parts[0] + n * shift, eqn.invars[0].aval)]
-        if i in moments:  # summed about a shift: its mean's result corrects it
-            moment = moments[i]
-            m_eqn = eqns[moment.m_eqn]
-            (m,) = bind(m_eqn, [out[moment.mean][0], m_eqn.invars[1].val])
-            shift = strong(shifts[moment.m])
-            offset = about[moment.mean]
-            summed = moment.correct(parts[0], offset, strong(m), shift, n)
-            parts = [typed(summed, eqn.invars[0].aval)]
-        out[i] = finish(eqn, parts, program.axis_name, program.batch_size)
-    return out
 
 
 def plan_staged(
@@ -492,7 +333,7 @@ def _final(
     num_mapped = plan.program.num_mapped_out
     varies: list[bool] = []
 
-    evaluate = _element_fn(plan, FINAL, fixed, results)
+    evaluate = element_fn(plan, FINAL, fixed, results)
 
     def _element(_m: list[Array], _position: Array) -> tuple[list[Any], ...]:
         out = evaluate(_m, _position)

@@ -1,0 +1,81 @@
+"""The loop over chunks as evaluated: one `lax.scan` that slices each chunk out of
+the inputs (scan constants) and writes its outputs into full-size buffers (scan
+carries) in place, so that peak memory is the outputs plus one chunk's working
+set.
+
+The evaluated loop holds no `jax.checkpoint`, which only matters to
+differentiation (and which `checkify` cannot transform): the loop's JVP rule
+(`_rule.py`) is where each step is checkpointed.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PyTree
+
+from .._custom_types import CheckpointSpec, InputArray
+from .._reporting import report_step
+from ._schedule import Schedule
+
+
+ArraysFn = Callable[[PyTree[Array]], tuple[list[Array], PyTree[Array]]]
+
+
+def as_arrays(tree: PyTree[Any]) -> PyTree[Array]:
+    """`tree` with every leaf an array (weakly typed where it was a Python scalar).
+
+    `eqx.filter_closure_convert` replays a jaxpr, which returns a literal output
+    (a constant) as a Python scalar subclass."""
+    return jtu.tree_map(
+        lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree
+    )
+
+
+def checkpointed(fn: Callable[..., Any], checkpoint: CheckpointSpec) -> Callable:
+    """`fn` rematerialised in reverse mode (with a policy), or `fn` itself."""
+    if checkpoint is False:
+        return fn
+    policy = None if checkpoint is True else checkpoint
+    # `prevent_cse=False` is safe (and faster) inside a scan: see `jax.checkpoint`.
+    return eqx.filter_checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def scan(
+    fn: ArraysFn,
+    inputs: PyTree[InputArray],
+    buffers: list[Array],
+    unbatched: PyTree[Array],
+    loop: Schedule,
+) -> tuple[list[Array], PyTree[Array]]:
+    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
+    into `buffers` with `loop.write`; returns the buffers and the last step's
+    unbatched outputs."""
+    last = loop.batch_size - loop.chunk_size
+
+    def _body(carry: tuple[Any, Any, Any], _: None) -> tuple[Any, None]:
+        # Counting the steps in the carry, rather than reading a start per step
+        # from an array, compiles to one kernel fewer (benchmarks/).
+        _buffers, _, index = carry
+        start = jnp.minimum(index * loop.chunk_size, last)
+        _chunk, _unbatched = as_arrays(fn(loop.slice(inputs, start)))
+        _buffers = loop.write(_buffers, _chunk, start, loop.first_new(start))
+        # After the write: the report reads the written buffers, so it follows the
+        # step's work.
+        report_step(loop.reporter, start, loop.chunk_size, (_buffers, _unbatched))
+        return (_buffers, _unbatched, index + 1), None
+
+    # The default integer type, as in `loop.starts()`: `checkify` compares the
+    # index with shapes of that type, which strict dtype promotion requires.
+    init = (buffers, unbatched, jnp.zeros((), int))
+    (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
+    return buffers, unbatched
+
+
+def relayed(leaves: list[Any], loop: Schedule) -> list[Any]:
+    """The leaves at the positions that the loop relays (`loop.relay`)."""
+    return [leaves[i] for i in loop.relay]
