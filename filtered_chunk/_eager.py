@@ -24,7 +24,11 @@ passed as arguments, so new values need no recompilation.
 `jax.grad` of an eager chunked call cannot use this cache: its inputs are tracers,
 so the loop runs op by op and JAX compiles the scan (a new jaxpr on every call)
 each time, as for any eager `lax.scan` under `jax.grad`. Wrap the gradient in
-`jax.jit` (or `eqx.filter_jit`) to compile it once.
+`jax.jit` (or `eqx.filter_jit`) to compile it once. Where only what `fun` closes
+over is traced (a loss that closes over the model it differentiates), the
+program as traced is evaluated under the outer transformation, op by op: `fun`
+is not traced a second time (`tests/test_collectives_staged.py`,
+`test_closing_over_state_under_grad`).
 
 Outputs that the trace did not compute (a NumPy value `fun` returns with
 `out_axes=None`, a non-array) are returned as they are, as `eqx.filter_vmap` does.
@@ -201,7 +205,11 @@ def call_compiled(fn: Callable[[PyTree[Any]], Any], tree: PyTree[Any]) -> Any:
     """Evaluates `fn(tree)` as one compiled program, compiled once per program."""
     closed, leaves, rebuild = _trace(fn, tree)
     if is_traced(closed.consts):
-        return fn(tree)  # `fn` closes over an outer transformation's tracers
+        # `fn` closes over an outer transformation's tracers (`jax.grad` of a
+        # function closing over the model): the program as traced, evaluated
+        # under that transformation, rather than `fn` again, which would trace
+        # `fun` a second time.
+        return rebuild(jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *leaves))
     try:
         key = (str(closed.jaxpr), tuple(program_key(closed.jaxpr, evaluated_only=True)))
         hash(key)

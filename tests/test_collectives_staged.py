@@ -496,6 +496,34 @@ def check_public_call(model, state, x, axis_name, jit, **options):
     assert tree_allclose(actual, eqx.filter_jit(grad)(model, oracle_of))
 
 
+@pytest.mark.parametrize("jit", (False, True))
+def test_closing_over_state_under_grad(jit, getkey):
+    # A `fun` that closes over an `eqx.nn.State`, which `state.set` replaces in
+    # the first trace that gets that far, differentiated eagerly or under `jit`:
+    # `fun` is looked at once with the axis unbound (which stops at the first
+    # collective) and traced once, never again for the derivative (the eager
+    # call evaluates its traced program under `jax.grad`: `_eager.py`).
+    model, state = eqx.nn.make_with_state(_MLP)("batch", getkey())
+    x = jr.normal(getkey(), (9, 3))
+    traces = []
+
+    def loss(m, s, vmap, **options):
+        def fun(u):
+            traces.append(None)
+            return m(u, s)
+
+        out, _ = vmap(fun, out_axes=(0, None), axis_name="batch", **options)(x)
+        return jnp.sum(jnp.tanh(out))
+
+    copy = lambda: jax.tree.map(lambda a: a, state)  # noqa: E731
+    grad = eqx.filter_grad(loss)
+    chunked = eqx.filter_jit(grad) if jit else grad
+    actual = chunked(model, copy(), fc.filter_chunked_vmap, chunk_size=4)
+    assert len(traces) == 2
+    expected = eqx.filter_jit(grad)(model, copy(), eqx.filter_vmap)
+    assert tree_allclose(actual, expected)
+
+
 @pytest.mark.parametrize("remainder", REMAINDERS)
 def test_pargmax_from_levels(remainder, getkey):
     # The position of the batch's maximum, composed of `pmax`, `axis_index` and
