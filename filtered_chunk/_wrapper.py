@@ -10,6 +10,7 @@ how its arguments bind, its chunk function and how its outputs are finished.
 import abc
 import contextlib
 import dataclasses
+import functools as ft
 import operator
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar, NamedTuple
@@ -26,12 +27,13 @@ from ._budget import (
     choose_chunk_size,
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
-    keep_if_fits,
     mark,
     measure_bytes,
     MemoryBudget,
     normalise_chunk_size,
     program_bytes,
+    refined,
+    Staged,
 )
 from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
@@ -152,35 +154,19 @@ class Chunked(eqx.Module):
         # the refinement (`None`: the budget decides what to keep).
         options = (o.remainder, o.checkpoint, o.axis_name, type(self._plan), keep)
 
-        def _refine(choice: ChunkSizeChoice) -> ChunkSizeChoice:
-            choice = dataclasses.replace(
-                choice, keep_boundaries=False if keep is None else keep
-            )
-            if o.axis_name is None:
-                return choice
-            if choice.largest >= size:
-                # The whole batch fits: one `vmap`. Split, collectives across
-                # chunks would cost passes over the batch, which the speed model
-                # (a chunk's working set in cache) does not see.
-                whole = dict(choice.tried)[size]
-                return dataclasses.replace(choice, chunk_size=size, bytes=whole)
-            if keep is None:
-                # Staged collectives keep their boundaries where that fits: no
-                # pass then recomputes an earlier one's work.
-                def _measure(k: int, every: int) -> int:
-                    kept = (self._keeping(True if every == 1 else every), bound.tree)
-                    return measure_bytes(_run, kept, k, choice.budget)
+        def _measure(k: int, every: int, limit: int) -> int:
+            # The bytes at `k` keeping every `every`-th pass's boundaries.
+            kept = (self._keeping(True if every == 1 else every), bound.tree)
+            return measure_bytes(_run, kept, k, limit)
 
-                passes, _, _ = self._plan.staged(self._fun, o, bound, choice.chunk_size)
-                choice = keep_if_fits(choice, _measure, passes, size, o.remainder)
-            # What the call runs with: its passes, the bytes it keeps, its work.
-            kept = dataclasses.replace(o, keep_boundaries=choice.keep_boundaries)
-            passes, kept_bytes, work = self._plan.staged(
-                self._fun, kept, bound, choice.chunk_size
-            )
-            return dataclasses.replace(
-                choice, passes=passes, boundary_bytes=kept_bytes, work=work
-            )
+        def _staged(keeping: bool | int | None, k: int) -> tuple[int, int, float]:
+            kept = dataclasses.replace(o, keep_boundaries=keeping)
+            return self._plan.staged(self._fun, kept, bound, k)
+
+        staged = None if o.axis_name is None else Staged(_measure, _staged)
+        refine = ft.partial(
+            refined, batch_size=size, remainder=o.remainder, keep=keep, staged=staged
+        )
 
         def _confirm(choice: ChunkSizeChoice) -> int:
             # The bytes of the program a choice runs, as compiled.
@@ -197,7 +183,7 @@ class Chunked(eqx.Module):
                 remainder=o.remainder,
                 options=options,
                 api=o.api,
-                refine=_refine,
+                refine=refine,
                 confirm=_confirm,
             )
         )

@@ -10,7 +10,7 @@ its program.
 """
 
 from ._choose import Budgeted as Budgeted, choose_chunk_size as choose_chunk_size
-from ._keep import keep_if_fits as keep_if_fits
+from ._keep import refined as refined, Staged as Staged
 from ._marks import mark as mark, marked_in as marked_in
 from ._search import (
     measure_bytes as measure_bytes,

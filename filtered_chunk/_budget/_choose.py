@@ -25,7 +25,7 @@ class Budgeted:
     """A budgeted call: `run(chunk_size, tree)` (`None`: the whole batch of
     `batch_size`) for `budget`; `options`, what else changes the program;
     `refine`, what `_search.search`'s choice becomes (staged collectives keeping
-    boundaries: `keep_if_fits`); `confirm`, the bytes of the program a choice
+    boundaries: `_keep.refined`); `confirm`, the bytes of the program a choice
     runs, as compiled (`program_bytes`)."""
 
     run: Callable[[int | None, Any], Any]

@@ -1,12 +1,15 @@
-"""Which boundaries a staged call keeps (`keep_if_fits`): the chunk size chosen for
-a budget without them (`_search.py`), then the most passes' boundaries that fit
-beside it, at that size or a smaller one.
+"""What a budget's choice becomes for a call with `axis_name` (`refined`), the
+one place that decides which stage boundaries a staged call keeps: the whole
+batch where it fits, else the chunk size chosen without them (`_search.py`), then
+the most passes' boundaries that fit beside it, at that size or a smaller one
+(`keep_if_fits`).
 """
 
 import dataclasses
 import functools as ft
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 from . import _model
 from ._search import Sizes
@@ -15,6 +18,52 @@ from ._values import ChunkSizeChoice
 
 # At most this many compilations choose which stage boundaries to keep.
 KEEP_COMPILATIONS = 8
+
+
+class Staged(NamedTuple):
+    """The transform's answers about its staged collectives: `measure(k, n,
+    limit)`, the bytes of the program at `k` keeping the boundaries of every
+    `n`-th pass, to compare with `limit` (`measure_bytes`); `cost(keep, k)`,
+    the passes before the final loop at `k` keeping `keep` (`keep_boundaries`),
+    the bytes they keep and their work against `fun` once an element (`(0, 0,
+    1.0)`: not staged)."""
+
+    measure: Callable[[int, int, int], int]
+    cost: Callable[[bool | int | None, int], tuple[int, int, float]]
+
+
+def refined(
+    choice: ChunkSizeChoice,
+    *,
+    batch_size: int,
+    remainder: str,
+    keep: bool | int | None,
+    staged: Staged | None,
+) -> ChunkSizeChoice:
+    """`choice` (`_search.search`'s, which keeps no boundaries) as the call runs
+    it: keeping `keep`'s boundaries, or (`None`) those that fit; `staged` is
+    `None` for a call without `axis_name`.
+
+    With `axis_name`, a batch that fits whole runs whole: one `vmap`. Split,
+    collectives across chunks would cost passes over the batch, which the speed
+    model (a chunk's working set in cache) does not see. Else the choice reports
+    its passes, the bytes it keeps and its work."""
+    choice = dataclasses.replace(
+        choice, keep_boundaries=False if keep is None else keep
+    )
+    if staged is None:
+        return choice
+    if choice.largest >= batch_size:
+        whole = dict(choice.tried)[batch_size]
+        return dataclasses.replace(choice, chunk_size=batch_size, bytes=whole)
+    if keep is None:
+        passes, _, _ = staged.cost(None, choice.chunk_size)
+        measure = lambda k, n: staged.measure(k, n, choice.budget)  # noqa: E731
+        choice = keep_if_fits(choice, measure, passes, batch_size, remainder)
+    passes, kept_bytes, work = staged.cost(choice.keep_boundaries, choice.chunk_size)
+    return dataclasses.replace(
+        choice, passes=passes, boundary_bytes=kept_bytes, work=work
+    )
 
 
 def keep_if_fits(

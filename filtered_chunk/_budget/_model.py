@@ -22,7 +22,7 @@ import jax
 L2_FACTORS = (2, 8)
 L3_FRACTION = 4
 # Never fewer elements per chunk than this where the staged engine keeps stage
-# boundaries to fit a budget (`_search.keep_if_fits`): below, the loop's per-step
+# boundaries to fit a budget (`_keep.keep_if_fits`): below, the loop's per-step
 # overhead outweighs the passes saved.
 MIN_CHUNK = 8
 DEFAULT_CACHE_BYTES = 2**20
