@@ -56,6 +56,7 @@ the loop (`tests/test_derivatives.py::test_weak_types_of_derivatives_match_jax`)
 """
 
 import dataclasses
+import functools as ft
 from typing import Any
 
 import equinox as eqx
@@ -140,7 +141,7 @@ def scan_chunks(
     """
     del rest_fn  # only for the derivative (`_run_jvp`)
     buffers, unbatched = scan(fn, inputs, buffers, unbatched, loop)
-    return buffers, unbatched, relayed(jtu.tree_leaves(inputs), loop)
+    return buffers, unbatched, relayed(jtu.tree_leaves(inputs), loop.relay)
 
 
 @scan_chunks.def_jvp
@@ -202,7 +203,7 @@ def _run_jvp(
         unbatched,
         t_unbatched,
     )
-    out_relayed = relayed(jtu.tree_leaves(inputs), loop)
+    out_relayed = relayed(jtu.tree_leaves(inputs), loop.relay)
     t_relayed = [
         zero_tangent(x) if t is None else t
         for x, t in zip(out_relayed, t_relay, strict=True)
@@ -224,11 +225,11 @@ class _Rule:
     steps: Schedule
     into: tuple[int, ...]
 
-    @property
+    @ft.cached_property
     def _treedef(self) -> Any:
         return jtu.tree_structure(self.inputs)
 
-    @property
+    @ft.cached_property
     def _axes(self) -> list[int]:
         """Each input leaf's mapped axis (`in_axes` is a prefix of the inputs)."""
         in_axes = jtu.tree_map(
@@ -253,7 +254,7 @@ class _Rule:
         none)."""
         t_leaves = self._treedef.flatten_up_to(t_inputs)
         axes = self._axes
-        t_relay = relayed(t_leaves, self.loop)
+        t_relay = relayed(t_leaves, self.loop.relay)
         t_written = [
             _zeros_like(buffers[j]) if t_buffers[j] is None else t_buffers[j]
             for j in self.into

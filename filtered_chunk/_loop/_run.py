@@ -41,6 +41,7 @@ from .._reporting import quiet, report_step, reporter
 from .._structs import full
 from ._accumulate import combine, identity, new_rows, reduce_rows
 from ._rule import scan_chunks
+from ._scan import relayed
 from ._schedule import Schedule, slice_rest, Steps
 
 
@@ -281,8 +282,7 @@ def _one_vmap(
     found = reporter(meter, options.api, steps, loop)
     out = reduced(quiet(chunk_fn, found)(inputs, batch_size))
     report_step(found, jnp.asarray(0), batch_size, out.batched)
-    leaves = jtu.tree_leaves(inputs)
-    return out, [leaves[i] for i in relay]
+    return out, relayed(jtu.tree_leaves(inputs), relay)
 
 
 def _separate_rest(

@@ -8,7 +8,7 @@ differentiation (and which `checkify` cannot transform): the loop's JVP rule
 (`_rule.py`) is where each step is checkpointed.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -76,6 +76,6 @@ def scan(
     return buffers, unbatched
 
 
-def relayed(leaves: list[Any], loop: Schedule) -> list[Any]:
-    """The leaves at the positions that the loop relays (`loop.relay`)."""
-    return [leaves[i] for i in loop.relay]
+def relayed(leaves: list[Any], relay: Sequence[int]) -> list[Any]:
+    """The leaves at the positions that a loop relays (`Chain.relay`)."""
+    return [leaves[i] for i in relay]
