@@ -44,6 +44,12 @@ class Batch(NamedTuple):
     check: Callable[[Any, PyTree[InputArray], int], None] | None = None
     # `sum_match=True`: the unmapped outputs that vary over the batch are summed.
     sum_match: bool = False
+    # Whether `jax.shard_map` checks the varying manual axes of a sharded batch.
+    # Not where a chunk branches on which of its elements are valid (`_valid.py`):
+    # the check casts what the chunk closes over to varying inside the branch,
+    # and in reverse mode that cast's transpose is a `psum` that only the
+    # devices taking the branch would run.
+    check_vma: bool = True
 
 
 def _schedule(
@@ -119,7 +125,7 @@ def run_batch(
         batch_size=batch.size,
         sharding=sharding,
         api=options.api,
-        check_vma=schedule != STAGED,
+        check_vma=batch.check_vma and schedule != STAGED,
     )
 
 

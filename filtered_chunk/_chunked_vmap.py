@@ -24,7 +24,7 @@ from ._axes import (
     varying_unmapped,
 )
 from ._batch import Batch, run_batch, staged_cost
-from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
+from ._boundary import BuilderOptions, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
     CheckpointSpec,
@@ -37,7 +37,7 @@ from ._custom_types import (
 )
 from ._progress import AbstractProgressMeter
 from ._summed import split_varying, summed_output, with_sums
-from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, Fun, wrap
+from ._wrapper import AbstractMappedPlan, Bound, Chunked, ChunkOptions, Fun, wrap
 
 
 _API = "filter_chunked_vmap"
@@ -99,8 +99,13 @@ class _VmapPlan(AbstractMappedPlan):
             out = _evaluate(self.out_axes, (fun, static), mapped, batch_known=False)
             return eqx.combine(*out[:2], out[2].value[0])
         out = run_batch(
-            self._batch(fun, options, bound), chunk_size, options, bound.sharding
+            self.batch(fun, options, bound), chunk_size, options, bound.sharding
         )
+        return self.finish(out)
+
+    def finish(self, out: ChunkOutput) -> Any:
+        """The loop's output as `fun`'s: sums back in their places, or the mapped,
+        unmapped and static parts combined."""
         if self.sum_match:
             return with_sums(out)
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
@@ -110,10 +115,11 @@ class _VmapPlan(AbstractMappedPlan):
     ) -> tuple[int, int, float]:
         if bound.batch_size is None:
             return 0, 0, 1.0
-        batch = self._batch(fun, options, bound)
+        batch = self.batch(fun, options, bound)
         return staged_cost(batch, chunk_size, options, bound.sharding)
 
-    def _batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
+    def batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
+        """The call's batch, as `run_batch` takes it."""
         assert bound.batch_size is not None
         static, mapped = _unmapped_and_mapped(bound)
         out_axes, in_axes, sum_match = self.out_axes, bound.in_axes, self.sum_match
@@ -204,9 +210,11 @@ class _VmapOptions(BuilderOptions, total=False):
 
 
 @overload
-def filter_chunked_vmap(**options: Unpack[_VmapOptions]) -> Decorator: ...
+def filter_chunked_vmap(
+    **options: Unpack[_VmapOptions],
+) -> Callable[[Fun], Chunked]: ...
 @overload
-def filter_chunked_vmap(fun: Fun, **options: Unpack[_VmapOptions]) -> Fun: ...
+def filter_chunked_vmap(fun: Fun, **options: Unpack[_VmapOptions]) -> Chunked: ...
 @keyword_only("filter_chunked_vmap", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_vmap(
@@ -322,7 +330,10 @@ def filter_chunked_vmap(
     Unlike Equinox, it accepts keyword arguments, bound to `fun`'s signature first, so
     `f(x, y=y)` is `f(x, y)`. A dict `in_axes` names parameters however they are passed;
     with a tuple `in_axes`, the keyword arguments that cannot be passed positionally get
-    `equinox.if_array(0)`; a single spec covers every argument.
+    `equinox.if_array(0)`; a single spec covers every argument. Its method
+    `valid(count)` (or `valid(mask=mask)`) is the same function on the valid
+    elements of a padded batch only, one compilation for every count (see
+    [variable-size batches][variable-size-batches]).
 
     !!! example
 

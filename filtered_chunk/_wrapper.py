@@ -13,7 +13,7 @@ import dataclasses
 import functools as ft
 import operator
 from collections.abc import Callable, Hashable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, cast, ClassVar, NamedTuple
 
 import equinox as eqx
 import jax
@@ -39,6 +39,7 @@ from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
+from ._restrict import Restrictable
 from ._sharding import BatchSharding, check_spmd_axis_name, find_batch_sharding
 
 
@@ -116,7 +117,7 @@ class AbstractPlan(eqx.Module):
         return 0, 0, 1.0
 
 
-class Chunked(eqx.Module):
+class Chunked(eqx.Module, Restrictable):
     """A chunked transform of `fun`, as every builder returns it."""
 
     _fun: Callable[..., Any]
@@ -228,7 +229,7 @@ class Chunked(eqx.Module):
         return self if instance is None else eqx.Partial(self, instance)
 
 
-def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> Callable[..., Any]:
+def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> "Chunked":
     """Checks the arguments, once, and wraps `fun` in a [`Chunked`][]."""
     chunk_size = normalise_chunk_size(options.chunk_size, options.api)
     if options.remainder not in REMAINDERS:
@@ -241,7 +242,7 @@ def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> Callable[..., A
     check_meter(options.progress_meter, options.api)
     keep = _normalise_keep(options.keep_boundaries, options.api)
     options = dataclasses.replace(options, chunk_size=chunk_size, keep_boundaries=keep)
-    return eqx.module_update_wrapper(Chunked(fun, plan, options))
+    return cast(Chunked, eqx.module_update_wrapper(Chunked(fun, plan, options)))
 
 
 def _normalise_keep(keep: Any, api: str) -> bool | int | None:

@@ -687,3 +687,43 @@ def test_sum_match_sums_every_device(axis_type, chunk_size, getkey):
         assert same(actual, expected)
         assert split_like(actual[0], mesh, "batch")
         assert actual[1].sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("valid", ("count", "mask"))
+def test_valid_elements_of_a_sharded_batch(axis_type, valid, getkey):
+    # 64 elements, 8 per device, chunks of 3: a count of 19 leaves devices 3 to
+    # 7 with no valid element, device 2 with 3 of 8.
+    mesh = mesh_1d(axis_type)
+    x = jr.normal(getkey(), (64, 3))
+    w = jr.normal(getkey(), (4,))
+    if valid == "count":
+        mask = np.arange(64) < 19
+        restrict = lambda c: c.valid(19)  # noqa: E731
+    else:
+        mask = np.asarray(jr.bernoulli(getkey(), 0.3, (64,)))
+        restrict = lambda c: c.valid(mask=mask)  # noqa: E731
+    poisoned = np.where(mask[:, None], x, np.nan)
+    chunked = restrict(
+        fc.filter_chunked_vmap(
+            outer, chunk_size=3, spmd_axis_name="batch", **OUTER_AXES
+        )
+    )
+    oracle = eqx.filter_vmap(outer, **OUTER_AXES)
+    xs, ws = put(poisoned, mesh, "batch"), put(w, mesh)
+    out = chunked(ws, xs)
+    expected = oracle(w, x[mask])
+    assert same(np.asarray(out[0])[:, mask], expected[0])
+    assert not np.asarray(out[0])[:, ~mask].any()
+    assert split_like(out[0], mesh, None, "batch"), out[0].sharding
+    grad = jax.grad(loss(chunked), argnums=(0, 1))
+    expected = jax.grad(loss(oracle), argnums=(0, 1))(w, x[mask])
+    with jax.set_mesh(mesh):
+        actual = jax.jit(grad)(ws, xs)
+        found = collectives(grad, ws, xs)
+    assert same(actual[0], expected[0])
+    assert same(np.asarray(actual[1])[mask], expected[1])
+    assert not np.asarray(actual[1])[~mask].any()
+    if valid == "count":
+        # As without `valid`: `w`'s cotangent summed once, outside the loop.
+        assert [(op, size(shape)) for shape, op in found] == [("all-reduce", 4)]

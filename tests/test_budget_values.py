@@ -42,8 +42,8 @@ def test_fractions_of_free_memory(monkeypatch):
     assert fc.MemoryBudget(0.5).resolve() == 5 * 2**30
     assert fc.MemoryBudget(1.0).resolve() == 10 * 2**30
     # "auto" is 80% of it, rounded down to 1/32 of a power of two.
-    auto = fc.filter_chunked_vmap(jnp.sin, chunk_size="auto").budget  # pyright: ignore
-    assert auto == fc.MemoryBudget(0.8)
+    auto = fc.filter_chunked_vmap(jnp.sin, chunk_size="auto").budget
+    assert auto is not None and auto == fc.MemoryBudget(0.8)
     assert 0.8 * 10 * 2**30 * (1 - 1 / 32) <= auto.resolve() <= 0.8 * 10 * 2**30
     # What a device or the system reports free is a positive number of bytes.
     monkeypatch.undo()

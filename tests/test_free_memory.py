@@ -122,5 +122,6 @@ def test_auto_budgets_the_container_limit(tmp_path, monkeypatch):
     )
     if budget_module.available_bytes() != 2 * GIB:
         pytest.skip("the default device reports its own memory (an accelerator)")
-    auto = fc.filter_chunked_vmap(jnp.sin, chunk_size="auto").budget  # pyright: ignore
+    auto = fc.filter_chunked_vmap(jnp.sin, chunk_size="auto").budget
+    assert auto is not None
     assert auto.resolve() == int(0.8 * 2 * GIB) // 2**25 * 2**25

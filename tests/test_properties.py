@@ -266,3 +266,35 @@ def test_sum_match_and_collectives_match_filter_vmap(case, collective):
         f, chunk_size=case.chunk_size, remainder=case.remainder, **kwargs
     )(case.tree)
     assert tree_allclose(actual, expected, rtol=1e-4, atol=1e-5)
+
+
+@given(_cases(), st.data())
+def test_valid_elements_match_filter_vmap_on_them(case, data):
+    # `valid` with a random mask (or count) is `eqx.filter_vmap` on the valid
+    # elements alone, written at their positions, with zeros elsewhere.
+    axes = case.in_axes[0]["leaves"]
+    leaves = case.tree["leaves"]
+    batch_size = np.shape(leaves[0])[axes[0]]
+    mask = np.array(
+        data.draw(st.lists(st.booleans(), min_size=batch_size, max_size=batch_size)),
+        dtype=bool,
+    )
+    chunked = _chunked(case, case.chunk_size)
+    if data.draw(st.booleans()):
+        mask = np.arange(batch_size) < int(mask.sum())
+        actual = chunked.valid(int(mask.sum()))(case.tree)
+    else:
+        actual = chunked.valid(mask=mask)(case.tree)
+    index = np.flatnonzero(mask)
+    sliced = tuple(
+        x if a is None else np.take(x, index, axis=a) for x, a in zip(leaves, axes)
+    )
+    expected = _oracle(case)({**case.tree, "leaves": sliced})
+    assert actual["tag"] == expected["tag"]
+    assert tree_allclose(actual["const"], expected["const"])
+    for key in ("total", "first"):
+        a, e = np.asarray(actual[key]), np.asarray(expected[key])
+        axis = case.out_axes[key] % a.ndim
+        assert a.dtype == e.dtype and a.shape[axis] == batch_size
+        assert tree_allclose(np.take(a, index, axis=axis), e, atol=ATOL)
+        np.testing.assert_array_equal(np.take(a, np.flatnonzero(~mask), axis=axis), 0)

@@ -1,0 +1,339 @@
+"""`Chunked.valid`: a call on the valid elements of a batch only, given by a
+traced count or mask, against `eqx.filter_vmap` on those elements alone."""
+
+import functools as ft
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.random as jr
+import numpy as np
+import pytest
+
+import filtered_chunk as fc
+
+from .helpers import count_compiles, remainders
+
+
+def _fun(mlp: eqx.nn.MLP, x: jax.Array, scale: float) -> Any:
+    """Mapped outputs of several dtypes and axes, an unmapped one, a non-array."""
+    y = mlp(x) * scale
+    return {
+        "y": y,
+        "norm": (jnp.sum(y**2), jnp.argmax(y)),
+        "flag": y[0] > 0,
+        "weak": 2.0,
+        "width": mlp.width_size,
+        "bias": mlp.layers[-1].bias,
+    }
+
+
+_OUT_AXES = {
+    "y": 1,
+    "norm": 0,
+    "flag": 0,
+    "weak": 0,
+    "width": None,
+    "bias": None,
+}
+
+
+@pytest.fixture(scope="module")
+def mlp() -> eqx.nn.MLP:
+    return eqx.nn.MLP(3, 2, 8, 2, key=jr.key(0))
+
+
+def _inputs(batch_size: int) -> jax.Array:
+    return jr.normal(jr.key(1), (batch_size, 3)) * 10.0 + 100.0
+
+
+def _padded(x: jax.Array, valid: np.ndarray) -> jax.Array:
+    """`x` with every invalid row NaN, infinity or huge."""
+    poison = jnp.array([jnp.nan, jnp.inf, -1e38])[jnp.arange(x.shape[0]) % 3]
+    return jnp.where(valid[:, None], x, poison[:, None])
+
+
+def _check(actual: Any, args: tuple[Any, ...], valid: np.ndarray, fill: Any = 0):
+    """`actual` is `eqx.filter_vmap` on the valid rows at their positions, `fill`
+    at the others: values, dtypes, weak types and structure."""
+    mlp, x, scale = args
+    vmapped = eqx.filter_vmap(_fun, in_axes=(None, 0, None), out_axes=_OUT_AXES)
+    expected = vmapped(mlp, x[valid], scale)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    index = np.flatnonzero(valid)
+    for key, axis in _OUT_AXES.items():
+        for a, e in zip(jax.tree.leaves(actual[key]), jax.tree.leaves(expected[key])):
+            if not isinstance(e, jax.Array):
+                assert a == e
+                continue
+            assert jax.typeof(a).dtype == jax.typeof(e).dtype, key
+            assert jax.typeof(a).weak_type == jax.typeof(e).weak_type, key
+            if axis is None:
+                np.testing.assert_array_equal(a, e)
+                continue
+            a = np.moveaxis(np.asarray(a), axis, 0)
+            e = np.moveaxis(np.asarray(e), axis, 0)
+            assert a.shape[0] == valid.shape[0]
+            np.testing.assert_allclose(a[index], e, rtol=1e-5, atol=1e-5)
+            rest = a[~valid]
+            np.testing.assert_array_equal(rest, np.full_like(rest, fill))
+
+
+def _chunked(chunk_size: int | None, remainder: Any = "overlap", **kw: Any) -> Any:
+    return fc.filter_chunked_vmap(
+        _fun,
+        in_axes=(None, 0, None),
+        out_axes=_OUT_AXES,
+        chunk_size=chunk_size,
+        remainder=remainder,
+        **kw,
+    )
+
+
+def _cases() -> list[tuple[int, int | None, str]]:
+    out: list[tuple[int, int | None, str]]
+    k = 4
+    sizes = (0, 1, k - 1, k, k + 1, 2 * k + 1)
+    out = [(n, k, r) for n in sizes for r in remainders(n, k)]
+    return out + [(5, 16, "overlap"), (6, None, "overlap"), (9, 1, "overlap")]
+
+
+@pytest.mark.parametrize("batch_size, chunk_size, remainder", _cases())
+def test_count_against_filter_vmap(
+    mlp: eqx.nn.MLP, batch_size: int, chunk_size: int | None, remainder: str
+) -> None:
+    chunked = _chunked(chunk_size, remainder)
+    x = _inputs(batch_size)
+    for count in sorted({0, 1, batch_size // 2, batch_size - 1, batch_size}):
+        if count < 0:
+            continue
+        valid = np.arange(batch_size) < count
+        args = (mlp, _padded(x, valid), 0.5)
+        _check(chunked.valid(count)(*args), (mlp, x, 0.5), valid)
+
+
+@pytest.mark.parametrize("batch_size, chunk_size", [(9, 4), (12, 4), (7, 16)])
+def test_mask_against_filter_vmap(
+    mlp: eqx.nn.MLP, batch_size: int, chunk_size: int
+) -> None:
+    chunked = _chunked(chunk_size)
+    x = _inputs(batch_size)
+    rng = np.random.default_rng(batch_size)
+    masks = [rng.random(batch_size) < p for p in (0.0, 0.3, 0.7, 1.0)]
+    for valid in masks:
+        args = (mlp, _padded(x, valid), 0.5)
+        _check(chunked.valid(mask=jnp.asarray(valid))(*args), (mlp, x, 0.5), valid)
+
+
+def test_fill(mlp: eqx.nn.MLP) -> None:
+    x = _inputs(7)
+    valid = np.arange(7) < 3
+    out = _chunked(2).valid(3, fill=-1)(mlp, x, 0.5)
+    _check(out, (mlp, x, 0.5), valid, fill=-1)
+
+
+def test_count_out_of_range_is_clipped(mlp: eqx.nn.MLP) -> None:
+    x = _inputs(6)
+    chunked = _chunked(4)
+    _check(chunked.valid(-3)(mlp, x, 0.5), (mlp, x, 0.5), np.zeros(6, bool))
+    _check(chunked.valid(100)(mlp, x, 0.5), (mlp, x, 0.5), np.ones(6, bool))
+
+
+def test_one_compilation_for_every_count_and_mask(mlp: eqx.nn.MLP) -> None:
+    x = _inputs(50)
+    chunked = _chunked(8)
+    rng = np.random.default_rng(0)
+    counts = rng.integers(0, 51, 100)
+    masks = rng.random((100, 50)) < rng.random((100, 1))
+    jitted = eqx.filter_jit(lambda n, x: chunked.valid(n)(mlp, x, 0.5))
+    eager = lambda n: chunked.valid(n)(mlp, x, 0.5)  # noqa: E731
+    eager(0)
+    jitted(jnp.asarray(counts[0]), x)
+    with count_compiles() as compiles:
+        # Eagerly, a count of any integer type (a Python `int` included).
+        for i, n in enumerate(counts):
+            eager([int(n), n, np.int8(n), jnp.asarray(n)][i % 4])
+            jitted(jnp.asarray(n), x)
+    assert compiles == []
+    eager_mask = lambda m: chunked.valid(mask=m)(mlp, x, 0.5)  # noqa: E731
+    eager_mask(jnp.asarray(masks[0]))
+    with count_compiles() as compiles:
+        for m in masks:
+            eager_mask(jnp.asarray(m))
+    assert compiles == []
+
+
+def _loss(chunked: Any, mlp: Any, x: jax.Array, n: Any) -> jax.Array:
+    out = chunked.valid(n)(mlp, x, 0.5)
+    return jnp.sum(jnp.sin(out["y"])) + jnp.sum(out["norm"][0])
+
+
+def _oracle_loss(mlp: Any, x: jax.Array) -> jax.Array:
+    out = eqx.filter_vmap(_fun, in_axes=(None, 0, None), out_axes=_OUT_AXES)(
+        mlp, x, 0.5
+    )
+    return jnp.sum(jnp.sin(out["y"])) + jnp.sum(out["norm"][0])
+
+
+@pytest.mark.parametrize("remainder", ["overlap", "separate"])
+@pytest.mark.parametrize("count", [0, 1, 4, 5, 9])
+def test_grad_ignores_padding(mlp: eqx.nn.MLP, remainder: str, count: int) -> None:
+    x = _inputs(11)
+    valid = np.arange(11) < count
+    chunked = _chunked(4, remainder)
+    grad = eqx.filter_jit(eqx.filter_grad(ft.partial(_loss, chunked)))
+    g_mlp = grad(mlp, _padded(x, valid), count)
+    g_x = jax.jit(jax.grad(ft.partial(_loss, chunked, mlp)))(_padded(x, valid), count)
+    e_mlp = eqx.filter_grad(_oracle_loss)(mlp, x[valid])
+    e_x = jax.grad(ft.partial(_oracle_loss, mlp))(x[valid])
+    for a, e in zip(jax.tree.leaves(g_mlp), jax.tree.leaves(e_mlp)):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(g_x[valid], e_x, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(g_x[~valid], 0.0)
+
+
+def test_jvp_ignores_padding(mlp: eqx.nn.MLP) -> None:
+    x = _inputs(10)
+    valid = np.arange(10) < 6
+    chunked = _chunked(4)
+    t = jnp.full_like(x, jnp.nan)  # a tangent at an invalid row reaches nothing
+    t = jnp.where(valid[:, None], 1.0, t)
+
+    def _y(x: jax.Array) -> jax.Array:
+        return chunked.valid(6)(mlp, x, 0.5)["y"]
+
+    primal, tangent = jax.jit(lambda x, t: jax.jvp(_y, (x,), (t,)))(
+        _padded(x, valid), t
+    )
+    expected = jax.jvp(
+        lambda x: eqx.filter_vmap(_fun, in_axes=(None, 0, None), out_axes=_OUT_AXES)(
+            mlp, x, 0.5
+        )["y"],
+        (x[:6],),
+        (t[:6],),
+    )
+    np.testing.assert_allclose(primal[:, :6], expected[0], rtol=1e-5)
+    np.testing.assert_allclose(tangent[:, :6], expected[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(tangent[:, 6:], 0.0)
+
+
+def test_outer_vmap(mlp: eqx.nn.MLP) -> None:
+    xs = jnp.stack([_inputs(9), _inputs(9) + 1.0])
+    chunked = _chunked(4)
+    counts = jnp.array([3, 9])
+    batched = jax.vmap(lambda x, n: chunked.valid(n)(mlp, x, 0.5)["y"])(xs, counts)
+    shared = jax.vmap(lambda x: chunked.valid(5)(mlp, x, 0.5)["y"])(xs)
+    for i in range(2):
+        n = int(counts[i])
+        expected = eqx.filter_vmap(_fun, in_axes=(None, 0, None), out_axes=_OUT_AXES)
+        np.testing.assert_allclose(
+            batched[i][:, :n], expected(mlp, xs[i][:n], 0.5)["y"], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            shared[i][:, :5], expected(mlp, xs[i][:5], 0.5)["y"], rtol=1e-5
+        )
+        np.testing.assert_array_equal(batched[i][:, n:], 0.0)
+
+
+def test_sum_match_sums_valid_elements_only() -> None:
+    def f(w: jax.Array, x: jax.Array) -> Any:
+        # `sqrt` at 0 has an infinite derivative: no `0 * inf` from a padded row.
+        return jnp.sum(jnp.sqrt(w * x)), w
+
+    w = jnp.array([2.0, 0.0])
+    x = jnp.stack([jnp.linspace(0.0, 1.0, 11), jnp.ones(11)], axis=1)
+    valid = np.arange(11) < 7
+    padded = jnp.where(valid[:, None], x, jnp.nan)
+    chunked = fc.filter_chunked_vmap(
+        f, in_axes=(None, 0), out_axes=None, chunk_size=3, sum_match=True
+    )
+    oracle = jax.vmap(f, in_axes=(None, 0), out_axes=None, sum_match=True)
+    out = chunked.valid(7)(w, padded)
+    np.testing.assert_allclose(out[0], oracle(w, x[:7])[0], rtol=1e-6)
+    np.testing.assert_array_equal(out[1], w)
+    grad = jax.jit(jax.grad(lambda w, x: chunked.valid(7)(w, x)[0], argnums=(0, 1)))
+    g_w, g_x = grad(w, padded)
+    e_w, e_x = jax.grad(lambda w, x: oracle(w, x)[0], argnums=(0, 1))(w, x[:7])
+    np.testing.assert_allclose(g_w, e_w, rtol=1e-5)
+    np.testing.assert_allclose(g_x[:7], e_x, rtol=1e-5)
+    np.testing.assert_array_equal(g_x[7:], 0.0)
+
+
+def test_unmapped_output_that_varies_raises_as_filter_vmap() -> None:
+    f = lambda x: x + 1.0  # noqa: E731
+    chunked = fc.filter_chunked_vmap(f, out_axes=None, chunk_size=2)
+    with pytest.raises(ValueError) as oracle:
+        eqx.filter_vmap(f, out_axes=None)(jnp.ones(5))
+    with pytest.raises(type(oracle.value)):
+        chunked.valid(3)(jnp.ones(5))
+
+
+def test_skipped_chunks_evaluate_nothing() -> None:
+    seen: list[int] = []
+
+    def f(x: jax.Array) -> jax.Array:
+        jax.debug.callback(lambda: seen.append(1))
+        return x * 2.0
+
+    chunked = fc.filter_chunked_vmap(f, chunk_size=4)
+    run = jax.jit(lambda x, n: chunked.valid(n)(x))
+    x = jnp.arange(40.0)
+    for count, chunks in ((0, 0), (1, 1), (4, 1), (5, 2), (40, 10)):
+        seen.clear()
+        out = run(x, count)
+        jax.effects_barrier()
+        assert len(seen) == chunks, count  # once per chunk, not per element
+        np.testing.assert_array_equal(out, jnp.where(jnp.arange(40) < count, x * 2, 0))
+
+
+def test_random_numbers_per_element_do_not_depend_on_chunking() -> None:
+    def sample(key: jax.Array, index: jax.Array) -> jax.Array:
+        return jr.normal(jr.fold_in(key, index), (3,))
+
+    key = jr.key(0)
+    index = jnp.arange(20)
+    full = fc.filter_chunked_vmap(sample, in_axes=(None, 0), chunk_size=7)(key, index)
+    for chunk_size, count in ((3, 20), (8, 11), (20, 5)):
+        chunked = fc.filter_chunked_vmap(
+            sample, in_axes=(None, 0), chunk_size=chunk_size
+        )
+        out = chunked.valid(count)(key, index)
+        np.testing.assert_array_equal(out[:count], full[:count])
+
+
+def test_errors(mlp: eqx.nn.MLP) -> None:
+    chunked = _chunked(4)
+    x = _inputs(6)
+    with pytest.raises(TypeError, match="exactly one of"):
+        chunked.valid()
+    with pytest.raises(TypeError, match="exactly one of"):
+        chunked.valid(3, mask=jnp.ones(6, bool))
+    with pytest.raises(TypeError, match=r"count=.*integer scalar.*float"):
+        chunked.valid(3.0)
+    with pytest.raises(TypeError, match=r"count=.*integer scalar"):
+        chunked.valid(jnp.array([3]))
+    with pytest.raises(TypeError, match=r"mask=.*boolean vector.*int"):
+        chunked.valid(mask=jnp.ones(6, int))
+    with pytest.raises(ValueError, match=r"mask=.*batch's shape \(6,\).*\(5,\)"):
+        chunked.valid(mask=jnp.ones(5, bool))(mlp, x, 0.5)
+    with pytest.raises(TypeError, match="fill"):
+        chunked.valid(3, fill=jnp.ones(2))
+    with pytest.raises(TypeError, match="already restricted"):
+        chunked.valid(3).valid(2)
+    with pytest.raises(ValueError, match="axis_name='batch'"):
+        _chunked(4, axis_name="batch").valid(3)(mlp, x, 0.5)
+    with pytest.raises(ValueError, match="needs a batch"):
+        fc.filter_chunked_vmap(lambda: 1.0, chunk_size=2).valid(1)()
+    with pytest.raises(TypeError, match="only available on `filter_chunked_vmap`"):
+        fc.filter_chunked_apply(lambda x: x, chunk_size=2).valid(1)  # pyright: ignore
+
+
+def test_docstring_example_runs() -> None:
+    from filtered_chunk._restrict import Restrictable
+
+    from .test_docs import blocks, run_blocks
+
+    doc = Restrictable.valid.__doc__ or ""
+    assert blocks(doc)
+    run_blocks(doc, "Chunked.valid")
