@@ -1,6 +1,7 @@
 """`filter_chunked_apply`: call an already vectorised function on chunks of a batch."""
 
 import functools as ft
+from collections.abc import Callable
 from typing import Any, overload, Unpack
 
 import equinox as eqx
@@ -21,7 +22,7 @@ from ._axes import (
     varying_unmapped,
 )
 from ._batch import Batch, run_batch
-from ._boundary import BuilderOptions, Decorator, deferred, keyword_only
+from ._boundary import BuilderOptions, deferred, keyword_only
 from ._custom_types import (
     AxisSpec,
     CheckpointSpec,
@@ -34,7 +35,7 @@ from ._custom_types import (
 )
 from ._progress import AbstractProgressMeter
 from ._structs import struct
-from ._wrapper import AbstractMappedPlan, Bound, ChunkOptions, Fun, wrap
+from ._wrapper import AbstractMappedPlan, Bound, Chunked, ChunkOptions, Fun, wrap
 
 
 _API = "filter_chunked_apply"
@@ -210,13 +211,23 @@ class _ApplyPlan(AbstractMappedPlan):
     ) -> Any:
         if bound.batch_size is None:
             return fun(*bound.tree[0], **bound.tree[1])  # nothing to split
+        return self.finish(
+            run_batch(self.batch(fun, options, bound), chunk_size, options)
+        )
+
+    def batch(self, fun: Fun, options: ChunkOptions, bound: Bound) -> Batch:
+        """The call's batch, as `run_batch` takes it."""
+        del options
+        assert bound.batch_size is not None
         is_unmapped = jtu.tree_map(is_none, bound.in_axes, is_leaf=is_none)
         static, mapped = eqx.partition(bound.tree, is_unmapped)
         chunk = ft.partial(_chunk, self.out_axes)
         check = ft.partial(_check_contract, self.out_axes, bound.in_axes)
         closed, size = (fun, static), bound.batch_size
-        batch = Batch(chunk, closed, mapped, bound.in_axes, size, check=check)
-        out = run_batch(batch, chunk_size, options)
+        return Batch(chunk, closed, mapped, bound.in_axes, size, check=check)
+
+    def finish(self, out: ChunkOutput) -> Any:
+        """The loop's output as `fun`'s."""
         return eqx.combine(out.batched, out.unbatched, unwrap_kept(out.static))
 
 
@@ -226,9 +237,11 @@ class _ApplyOptions(BuilderOptions, total=False):
 
 
 @overload
-def filter_chunked_apply(**options: Unpack[_ApplyOptions]) -> Decorator: ...
+def filter_chunked_apply(
+    **options: Unpack[_ApplyOptions],
+) -> Callable[[Fun], Chunked]: ...
 @overload
-def filter_chunked_apply(fun: Fun, **options: Unpack[_ApplyOptions]) -> Fun: ...
+def filter_chunked_apply(fun: Fun, **options: Unpack[_ApplyOptions]) -> Chunked: ...
 @keyword_only("filter_chunked_apply", 1, ("in_axes", "out_axes"), "jax.vmap")
 @jaxtyped(typechecker=beartype)
 def filter_chunked_apply(
@@ -297,7 +310,10 @@ def filter_chunked_apply(
 
     **Returns:**
 
-    A function with the signature of `fun`, returning what `fun` would.
+    A function with the signature of `fun`, returning what `fun` would. Its
+    method `valid(count)` (or `valid(mask=mask)`) is the same function on the
+    valid elements of a padded batch only (see
+    [variable-size batches][variable-size-batches]).
 
     !!! example
 

@@ -11,6 +11,10 @@ if TYPE_CHECKING:
     from ._wrapper import Chunked
 
 
+# The transforms whose batch `valid` can restrict.
+_APIS = ("filter_chunked_vmap", "filter_chunked_apply")
+
+
 class Restrictable:
     """A base of [`Chunked`][]: a plain class, so that its methods stay
     functions that the API reference can read."""
@@ -48,9 +52,10 @@ class Restrictable:
         `sum_match=True` summed, over the valid elements only. A chunk holding
         no valid element is skipped, on each device of a sharded batch too.
 
-        Only `filter_chunked_vmap`'s transforms have it, and not with
-        `axis_name`. What it costs: see
-        [variable-size batches][variable-size-batches].
+        `filter_chunked_vmap`'s and `filter_chunked_apply`'s transforms have
+        it, not with `axis_name`. For `filter_chunked_apply`, `fun` is called
+        on chunks in which each invalid element is a copy of a valid one.
+        What it costs: see [variable-size batches][variable-size-batches].
 
         !!! example
 
@@ -72,14 +77,13 @@ class Restrictable:
         assert isinstance(self, Chunked)
 
         api = f"{self._options.api}(...).valid"
-        if self._options.api != "filter_chunked_vmap" or isinstance(
-            self._plan, ValidPlan
-        ):
+        if self._options.api not in _APIS or isinstance(self._plan, ValidPlan):
             what = "a call already restricted by `valid`"
             if not isinstance(self._plan, ValidPlan):
                 what = f"`{self._options.api}`"
             raise TypeError(
-                f"`valid` is only available on `filter_chunked_vmap`, not on {what}."
+                "`valid` is only available on `filter_chunked_vmap` and "
+                f"`filter_chunked_apply`, not on {what}."
             )
         count, mask = check_valid(count, mask, fill, api)
         return dataclasses.replace(self, _plan=ValidPlan(self._plan, count, mask, fill))

@@ -50,9 +50,9 @@ FILL_TYPES = (bool, int, float, complex)
 
 
 class ValidPlan(AbstractPlan):
-    """`inner`'s plan (`filter_chunked_vmap`'s) on the valid elements only."""
+    """`inner`'s plan on the valid elements only."""
 
-    inner: Any  # the `_VmapPlan` of `filter_chunked_vmap`
+    inner: Any  # `filter_chunked_vmap`'s or `filter_chunked_apply`'s plan
     count: Any  # an integer scalar, or `None`
     mask: Any  # a boolean vector of the batch's size, or `None`
     fill: Any = eqx.field(static=True, default=0)
@@ -149,15 +149,23 @@ def gated(batch: Batch, count: Any, fill: Any, sharding: BatchSharding | None) -
         positions = jax.device_put(positions, split)
     count = jnp.clip(count, 0, batch.size).astype(positions.dtype)
     chunk = _Gated(batch.chunk, batch.in_axes, fill)
+    check = None if batch.check is None else ft.partial(_checked, batch.check)
     return Batch(
         chunk,
         (batch.closed, count),
         (batch.mapped, positions),
         (batch.in_axes, 0),
         batch.size,
+        check=check,
         sum_match=batch.sum_match,
         check_vma=False,
     )
+
+
+def _checked(check: Callable[..., None], closed: Any, mapped: Any, size: int) -> None:
+    """The transform's own check of `fun`, on the batch without the count and
+    the positions."""
+    check(closed[0], mapped[0], size)
 
 
 def _along(valid: Array, axis: int, ndim: int) -> Array:

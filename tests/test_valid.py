@@ -146,30 +146,33 @@ def test_one_compilation_for_every_count_and_mask(mlp: eqx.nn.MLP) -> None:
     rng = np.random.default_rng(0)
     counts = rng.integers(0, 51, 100)
     masks = rng.random((100, 50)) < rng.random((100, 1))
-    jitted = eqx.filter_jit(lambda n, x: chunked.valid(n)(mlp, x, 0.5))
+    by_count = eqx.filter_jit(lambda n, x: chunked.valid(n)(mlp, x, 0.5))
+    by_mask = eqx.filter_jit(lambda m, x: chunked.valid(mask=m)(mlp, x, 0.5))
     eager = lambda n: chunked.valid(n)(mlp, x, 0.5)  # noqa: E731
-    eager(0)
-    jitted(jnp.asarray(counts[0]), x)
-    with count_compiles() as compiles:
-        # Eagerly, a count of any integer type (a Python `int` included).
-        for i, n in enumerate(counts):
-            eager([int(n), n, np.int8(n), jnp.asarray(n)][i % 4])
-            jitted(jnp.asarray(n), x)
-    assert compiles == []
     eager_mask = lambda m: chunked.valid(mask=m)(mlp, x, 0.5)  # noqa: E731
-    eager_mask(jnp.asarray(masks[0]))
+    by_count(jnp.asarray(counts[0]), x)
+    by_mask(jnp.asarray(masks[0]), x)
+    eager(0)
+    eager_mask(masks[0])
     with count_compiles() as compiles:
-        for m in masks:
-            eager_mask(jnp.asarray(m))
+        for n, m in zip(counts, masks, strict=True):
+            by_count(jnp.asarray(n), x)
+            by_mask(jnp.asarray(m), x)
+        # Eagerly (each call traced), a count of any integer type.
+        for i, (n, m) in enumerate(zip(counts[:12], masks[:12], strict=True)):
+            eager([int(n), n, np.int8(n), jnp.asarray(n)][i % 4])
+            eager_mask(m if i % 2 else jnp.asarray(m))
     assert compiles == []
 
 
-def _loss(chunked: Any, mlp: Any, x: jax.Array, n: Any) -> jax.Array:
+def _loss(chunked: Any, inputs: Any, n: Any) -> jax.Array:
+    mlp, x = inputs
     out = chunked.valid(n)(mlp, x, 0.5)
     return jnp.sum(jnp.sin(out["y"])) + jnp.sum(out["norm"][0])
 
 
-def _oracle_loss(mlp: Any, x: jax.Array) -> jax.Array:
+def _oracle_loss(inputs: Any) -> jax.Array:
+    mlp, x = inputs
     out = eqx.filter_vmap(_fun, in_axes=(None, 0, None), out_axes=_OUT_AXES)(
         mlp, x, 0.5
     )
@@ -177,20 +180,19 @@ def _oracle_loss(mlp: Any, x: jax.Array) -> jax.Array:
 
 
 @pytest.mark.parametrize("remainder", ["overlap", "separate"])
-@pytest.mark.parametrize("count", [0, 1, 4, 5, 9])
-def test_grad_ignores_padding(mlp: eqx.nn.MLP, remainder: str, count: int) -> None:
+def test_grad_ignores_padding(mlp: eqx.nn.MLP, remainder: str) -> None:
     x = _inputs(11)
-    valid = np.arange(11) < count
     chunked = _chunked(4, remainder)
+    # One program for every count: the count is an argument.
     grad = eqx.filter_jit(eqx.filter_grad(ft.partial(_loss, chunked)))
-    g_mlp = grad(mlp, _padded(x, valid), count)
-    g_x = jax.jit(jax.grad(ft.partial(_loss, chunked, mlp)))(_padded(x, valid), count)
-    e_mlp = eqx.filter_grad(_oracle_loss)(mlp, x[valid])
-    e_x = jax.grad(ft.partial(_oracle_loss, mlp))(x[valid])
-    for a, e in zip(jax.tree.leaves(g_mlp), jax.tree.leaves(e_mlp)):
-        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(g_x[valid], e_x, rtol=1e-4, atol=1e-5)
-    np.testing.assert_array_equal(g_x[~valid], 0.0)
+    for count in (0, 1, 4, 5, 9):
+        valid = np.arange(11) < count
+        g_mlp, g_x = grad((mlp, _padded(x, valid)), jnp.asarray(count))
+        e_mlp, e_x = eqx.filter_grad(_oracle_loss)((mlp, x[valid]))
+        for a, e in zip(jax.tree.leaves(g_mlp), jax.tree.leaves(e_mlp)):
+            np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g_x[valid], e_x, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(g_x[~valid], 0.0)
 
 
 def test_jvp_ignores_padding(mlp: eqx.nn.MLP) -> None:
@@ -326,14 +328,46 @@ def test_errors(mlp: eqx.nn.MLP) -> None:
     with pytest.raises(ValueError, match="needs a batch"):
         fc.filter_chunked_vmap(lambda: 1.0, chunk_size=2).valid(1)()
     with pytest.raises(TypeError, match="only available on `filter_chunked_vmap`"):
-        fc.filter_chunked_apply(lambda x: x, chunk_size=2).valid(1)  # pyright: ignore
+        fc.chunked_jacrev(jnp.sin, chunk_size=2).valid(1)  # pyright: ignore
 
 
-def test_docstring_example_runs() -> None:
-    from filtered_chunk._restrict import Restrictable
+def _layer(w: jax.Array, x: jax.Array) -> Any:
+    """Vectorised over the leading axis of `x`; one output does not depend on it."""
+    return jnp.sqrt(jnp.abs(x @ w)), jnp.sum(w)
 
-    from .test_docs import blocks, run_blocks
 
-    doc = Restrictable.valid.__doc__ or ""
-    assert blocks(doc)
-    run_blocks(doc, "Chunked.valid")
+@pytest.mark.parametrize("chunk_size", [1, 4, 5, 20])
+def test_apply_against_fun_on_valid_elements(chunk_size: int) -> None:
+    w = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    x = jnp.linspace(-2.0, 2.0, 33).reshape(11, 3)
+    apply = fc.filter_chunked_apply(
+        _layer, in_axes=(None, 0), out_axes=(0, None), chunk_size=chunk_size
+    )
+
+    def _run(w: jax.Array, x: jax.Array, count: Any, mask: Any) -> Any:
+        restricted = apply.valid(count) if mask is None else apply.valid(mask=mask)
+        return restricted(w, x)
+
+    def _loss(w: jax.Array, x: jax.Array, count: Any, mask: Any) -> Any:
+        return jnp.sum(_run(w, x, count, mask)[0] ** 3)
+
+    # One program for every count, one for every mask.
+    run, grad = jax.jit(_run), jax.jit(jax.grad(_loss, argnums=(0, 1)))
+    rng = np.random.default_rng(chunk_size)
+    cases = [(np.arange(11) < n, n) for n in (0, 1, 4, 11)]
+    cases += [(rng.random(11) < 0.5, None), (np.zeros(11, bool), None)]
+    for valid, count in cases:
+        padded = jnp.where(valid[:, None], x, jnp.nan)
+        mask = None if count is not None else valid
+        out = run(w, padded, count, mask)
+        expected = _layer(w, x[valid])
+        np.testing.assert_allclose(out[0][valid], expected[0], rtol=1e-6)
+        np.testing.assert_array_equal(out[0][~valid], 0.0)
+        np.testing.assert_array_equal(out[1], expected[1])
+        g_w, g_x = grad(w, padded, count, mask)
+        e_w, e_x = jax.grad(lambda w, x: jnp.sum(_layer(w, x)[0] ** 3), argnums=(0, 1))(
+            w, x[valid]
+        )
+        np.testing.assert_allclose(g_w, e_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g_x[valid], e_x, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(g_x[~valid], 0.0)
