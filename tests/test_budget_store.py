@@ -93,7 +93,10 @@ def test_under_grad(stored):
         _fun, chunk_size=fc.MemoryBudget(everything.bytes // 4)
     )
     first, later = _twice(lambda: fc.suggest_chunk_sizes(step(chunked), _XS)[0])
-    assert not first.stored and first.compilations >= 6
+    # At least both programs of two sizes (how many sizes the search tries
+    # depends on the machine's cache size; the whole budget's search measured
+    # the largest sizes already).
+    assert not first.stored and first.compilations >= 4
     assert later.stored and later.compilations <= 2 and _same(first, later)
     assert first.chunk_size < 200 and later.bytes <= later.budget
     assert tree_allclose(step(chunked)(_XS), step(jax.vmap(_fun))(_XS))
