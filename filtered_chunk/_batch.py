@@ -5,11 +5,12 @@ collective analysis (`_staged/_analysis.py`), runs one `vmap`, the loop
 
 import functools as ft
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from jaxtyping import PyTree
 
-from ._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
+from ._custom_types import Batch as Batch, ChunkFn, ChunkOutput, InputArray, LoopOptions
+from ._gate import gated, unpadded
 from ._loop import reduced, run_in_chunks
 from ._sharding import BatchSharding, run_sharded
 from ._staged import (
@@ -24,32 +25,6 @@ from ._staged import (
 )
 from ._staged._cost import plan_cost
 from ._wrapper import ChunkOptions, kept_every
-
-
-class Batch(NamedTuple):
-    """What a plan hands to [`run_batch`][]: `size` elements of `mapped` (at
-    `in_axes`), and how to evaluate them, as functions of what they close over
-    (`closed`, arrays included), so that they can be rebuilt inside `shard_map`."""
-
-    chunk: Callable[[Any, PyTree[InputArray], int], ChunkOutput]
-    closed: PyTree[Any]
-    mapped: PyTree[InputArray]
-    in_axes: PyTree[int | None]
-    size: int
-    # `fun` on one element, returning `(mapped outputs, unmapped arrays,
-    # Static((the rest, out_axes)))`: for collectives over `axis_name`, which the
-    # staged evaluation computes across chunks (`_staged.run_staged_vmap`).
-    element: Callable[[Any, PyTree[Any]], Any] | None = None
-    # The transform's own check of `fun`, before a loop of chunks of that size.
-    check: Callable[[Any, PyTree[InputArray], int], None] | None = None
-    # `sum_match=True`: the unmapped outputs that vary over the batch are summed.
-    sum_match: bool = False
-    # Whether `jax.shard_map` checks the varying manual axes of a sharded batch.
-    # Not where a chunk branches on which of its elements are valid (`_valid.py`):
-    # the check casts what the chunk closes over to varying inside the branch,
-    # and in reverse mode that cast's transpose is a `psum` that only the
-    # devices taking the branch would run.
-    check_vma: bool = True
 
 
 def _schedule(
@@ -100,6 +75,11 @@ def run_batch(
     `chunk_size`, or the staged loops for collectives over `axis_name`; on each
     device's shard if `sharding` splits it."""
     schedule = _schedule(batch, chunk_size, options, sharding)
+    if sharding is not None and schedule == NONE and batch.size % sharding.num_devices:
+        # Split over devices that do not divide it: padded, its padding skipped.
+        gate = gated(batch, batch.size, 0, sharding)
+        out = run_batch(gate, chunk_size, options, sharding)
+        return unpadded(out, batch.size, sharding)
     if schedule == WHOLE:
         # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
         # collective across the devices.
@@ -126,6 +106,7 @@ def run_batch(
         sharding=sharding,
         api=options.api,
         check_vma=batch.check_vma and schedule != STAGED,
+        elements=batch.size - batch.padding,
     )
 
 

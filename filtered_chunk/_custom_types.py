@@ -42,6 +42,35 @@ class ChunkOutput(NamedTuple):
         return self.reduce
 
 
+class Batch(NamedTuple):
+    """What a plan hands to [`run_batch`][]: `size` elements of `mapped` (at
+    `in_axes`), and how to evaluate them, as functions of what they close over
+    (`closed`, arrays included), so that they can be rebuilt inside `shard_map`."""
+
+    chunk: Callable[[Any, PyTree[InputArray], int], ChunkOutput]
+    closed: PyTree[Any]
+    mapped: PyTree[InputArray]
+    in_axes: PyTree[int | None]
+    size: int
+    # `fun` on one element, returning `(mapped outputs, unmapped arrays,
+    # Static((the rest, out_axes)))`: for collectives over `axis_name`, which the
+    # staged evaluation computes across chunks (`_staged.run_staged_vmap`).
+    element: Callable[[Any, PyTree[Any]], Any] | None = None
+    # The transform's own check of `fun`, before a loop of chunks of that size.
+    check: Callable[[Any, PyTree[InputArray], int], None] | None = None
+    # `sum_match=True`: the unmapped outputs that vary over the batch are summed.
+    sum_match: bool = False
+    # Whether `jax.shard_map` checks the varying manual axes of a sharded batch.
+    # Not where a chunk branches on which of its elements are valid (`_valid.py`):
+    # the check casts what the chunk closes over to varying inside the branch,
+    # and in reverse mode that cast's transpose is a `psum` that only the
+    # devices taking the branch would run.
+    check_vma: bool = True
+    # The rows at the end of the batch that are padding, not elements (a batch
+    # padded to a multiple of the devices that split it: `_gate.py`).
+    padding: int = 0
+
+
 class LoopOptions(NamedTuple):
     """How the loop over chunks runs (`_loop.run_in_chunks`): what every
     chunked transform takes besides `fun`, once the chunk size is an integer."""

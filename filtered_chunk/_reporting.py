@@ -200,6 +200,7 @@ class _Context(NamedTuple):
     outer: bool = False  # inside the loop of a chunked call that reports
     axis_names: tuple[str, ...] = ()
     num_devices: int = 1
+    elements: int | None = None  # of a batch padded to a multiple of the devices
 
 
 _context = contextvars.ContextVar("filtered_chunk_progress", default=_Context())
@@ -214,9 +215,10 @@ def _set(**changes: Any) -> Iterator[None]:
         _context.reset(token)
 
 
-def sharded(axis_names: tuple[str, ...], num_devices: int) -> Any:
-    """While tracing one device's loop inside `shard_map`: report once, scaled."""
-    return _set(axis_names=axis_names, num_devices=num_devices)
+def sharded(axis_names: tuple[str, ...], num_devices: int, elements: int) -> Any:
+    """While tracing one device's loop inside `shard_map`: report once, scaled, out
+    of the batch's `elements` (its padding not counted)."""
+    return _set(axis_names=axis_names, num_devices=num_devices, elements=elements)
 
 
 def reporter(
@@ -236,18 +238,22 @@ def reporter(
     # At most `max_updates` reports per call: each costs a host callback.
     stride = -(-steps.num_steps // max(1, meter.max_updates))
     total = steps.batch_size * scale
+    total = total if context.elements is None else min(total, context.elements)
     return Reporter(meter, label, total, steps.chunk_size, steps.covered, scale, stride)
 
 
 def quiet(fn: Callable[..., Any], found: Reporter | None) -> Callable[..., Any]:
-    """`fn`, traced so that the chunked calls inside it do not report, if the
-    loop calling it does."""
-    if found is None:
+    """`fn`, traced so that the chunked calls inside it report as calls of their
+    own: not at all if the loop calling it does (nested bars interleave), and
+    never scaled to the devices that split the batch around them."""
+    context = _context.get()
+    inner = _Context(outer=context.outer or found is not None)
+    if inner == context:
         return fn
 
     @ft.wraps(fn)
     def _quiet(*args: Any, **kwargs: Any) -> Any:
-        with _set(outer=True):
+        with _set(**inner._asdict()):
             return fn(*args, **kwargs)
 
     return _quiet

@@ -4,15 +4,12 @@ a call on the valid elements of a padded batch (`_valid.py`)."""
 import dataclasses
 from typing import Any, TYPE_CHECKING
 
+import equinox as eqx
 import numpy as np
 
 
 if TYPE_CHECKING:
     from ._wrapper import Chunked
-
-
-# The transforms whose batch `valid` can restrict.
-_APIS = ("filter_chunked_vmap", "filter_chunked_apply")
 
 
 class Restrictable:
@@ -53,8 +50,10 @@ class Restrictable:
         no valid element is skipped, on each device of a sharded batch too.
 
         `filter_chunked_vmap`'s and `filter_chunked_apply`'s transforms have
-        it, not with `axis_name`. For `filter_chunked_apply`, `fun` is called
-        on chunks in which each invalid element is a copy of a valid one.
+        it, not with `axis_name`, and so does a method they decorate, bound to
+        its instance (`model.method.valid(n)(x)`). For `filter_chunked_apply`,
+        `fun` is called on chunks in which each invalid element is a copy of a
+        valid one.
         What it costs: see [variable-size batches][variable-size-batches].
 
         !!! example
@@ -77,7 +76,7 @@ class Restrictable:
         assert isinstance(self, Chunked)
 
         api = f"{self._options.api}(...).valid"
-        if self._options.api not in _APIS or isinstance(self._plan, ValidPlan):
+        if not self._plan.restrictable:
             what = "a call already restricted by `valid`"
             if not isinstance(self._plan, ValidPlan):
                 what = f"`{self._options.api}`"
@@ -87,3 +86,24 @@ class Restrictable:
             )
         count, mask = check_valid(count, mask, fill, api)
         return dataclasses.replace(self, _plan=ValidPlan(self._plan, count, mask, fill))
+
+
+class BoundMethod(eqx.Partial):
+    """A chunked transform bound to an instance, as `model.method` gives it where
+    the transform decorates `method`: `eqx.Partial(chunked, model)`, with `valid`."""
+
+    def __init__(self, func: "Chunked", instance: Any, /):
+        self.func = func
+        self.args = (instance,)
+        self.keywords = {}
+
+    def valid(
+        self,
+        count: Any = None,
+        *,
+        mask: Any = None,
+        fill: bool | int | float | complex | np.generic = 0,
+    ) -> "BoundMethod":
+        """[`Chunked.valid`][], the instance still bound."""
+        chunked: Any = self.func
+        return BoundMethod(chunked.valid(count, mask=mask, fill=fill), *self.args)

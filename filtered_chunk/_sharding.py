@@ -252,6 +252,7 @@ def run_sharded(
     sharding: BatchSharding,
     api: str,
     check_vma: bool = True,
+    elements: int | None = None,
 ) -> ChunkOutput:
     """Evaluates `local(closed, local_inputs, local_batch_size)` on each shard.
 
@@ -262,14 +263,17 @@ def run_sharded(
     `chunk_fn` only gives the outputs' axes, which put the shards back together.
     `check_vma` is `jax.shard_map`'s: the staged loops bind the primitives of a
     traced program one by one, which type no value as varying over devices.
+    `elements`: the batch's without its padding (`Batch.padding`), as a progress
+    meter counts them.
     """
     num_devices = sharding.num_devices
     if batch_size % num_devices != 0:
         raise ValueError(
             f"`{api}` got a batch of {batch_size} elements split over the mesh "
-            f"axes {sharding.axis_names!r} of {num_devices} devices. The batch "
-            f"size must be a multiple of {num_devices}: pad the batch, or do not "
-            "split it (drop `spmd_axis_name`, or replicate the inputs)."
+            f"axes {sharding.axis_names!r} of {num_devices} devices, with "
+            "collectives over `axis_name` computed across chunks. For those, "
+            f"the batch size must be a multiple of {num_devices}: pad the batch, "
+            "or do not split it (drop `spmd_axis_name`, or replicate the inputs)."
         )
     local_size = batch_size // num_devices
     arrays, rest = eqx.partition(closed, is_array)
@@ -281,7 +285,8 @@ def run_sharded(
     kinds = shapes.kinds()
 
     def _local(_arrays: PyTree[Array], _mapped: PyTree[InputArray]) -> tuple[Any, Any]:
-        with sharded(sharding.axis_names, num_devices):  # one meter, not one a device
+        # One meter, not one a device.
+        with sharded(sharding.axis_names, num_devices, elements or batch_size):
             _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
         # An accumulated output: every device's accumulator, combined.
         leaves, treedef = jtu.tree_flatten(_out.batched)
@@ -294,7 +299,7 @@ def run_sharded(
     in_specs = (P(), jtu.tree_map(sharding.spec, in_axes))
     call = _shard_map(_local, sharding, in_specs, shapes, check_vma)
     batched, unbatched = call(arrays, mapped)
-    return ChunkOutput(batched, shapes.batched_axes, unbatched, shapes.static)
+    return shapes._replace(batched=batched, unbatched=unbatched)
 
 
 def _shard_map(
@@ -374,15 +379,33 @@ def _batched_sharding(
     return NamedSharding(sharding.mesh, _spec(entries))
 
 
+def gathered(sharding: BatchSharding, x: Array) -> Array:
+    """In explicit mode, `x` replicated over the batch's mesh axes: a slice of a
+    split dimension must be one the devices divide."""
+    current = leaf_sharding(x)
+    if current is None or not current.mesh.explicit_axes:
+        return x
+    old = _entries(current.spec, x.ndim)
+    new = _without(sharding, current.spec, x.ndim)
+    return x if new == old else jax.sharding.reshard(x, _spec(new))
+
+
 def _conform(sharding: BatchSharding, axis: int | None, x: Any) -> Any:
     """In explicit mode, reshards `x` to be split over the batch's mesh axes along
-    `axis` only (replicated over them if `axis` is `None`), as `shard_map` requires.
+    `axis` only (replicated over them if `axis` is `None`), as `shard_map` requires;
+    a mapped input not on the mesh too.
 
     In auto mode `shard_map` reshards by itself (and types do not show shardings).
     """
     current = leaf_sharding(x)
     if current is None or not current.mesh.explicit_axes:
-        return x
+        explicit = set(sharding.axis_names) & set(sharding.mesh.explicit_axes)
+        if axis is None or not explicit:
+            return x
+        # Not on the mesh (a NumPy array, or one device's): split as the batch.
+        return jax.sharding.reshard(
+            x, NamedSharding(sharding.mesh, sharding.spec(axis))
+        )
     old = _entries(current.spec, np.ndim(x))
     new = _without(sharding, current.spec, np.ndim(x))
     if axis is not None:

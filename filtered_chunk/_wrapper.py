@@ -39,7 +39,7 @@ from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
-from ._restrict import Restrictable
+from ._restrict import BoundMethod, Restrictable
 from ._sharding import BatchSharding, check_spmd_axis_name, find_batch_sharding
 
 
@@ -81,6 +81,9 @@ class Bound(NamedTuple):
 class AbstractPlan(eqx.Module):
     """What a transform contributes to the call path of [`Chunked`][]."""
 
+    # Whether [`Chunked.valid`][] can restrict the transform's batch (`_valid.py`).
+    restrictable: ClassVar[bool] = False
+
     def check(self, api: str) -> None:
         """Checks the transform's own arguments when it is built."""
         del api
@@ -93,7 +96,7 @@ class AbstractPlan(eqx.Module):
         """The number of elements a budget splits (per device); 0 if none."""
         del fun, options
         devices = 1 if bound.sharding is None else bound.sharding.num_devices
-        return (bound.batch_size or 0) // devices
+        return -(-(bound.batch_size or 0) // devices)  # padded to a multiple
 
     def chunked(self, bound: Bound, chunk_size: int | None) -> bool:
         """Whether the call runs a loop (and so, eagerly, a compiled program)."""
@@ -226,7 +229,7 @@ class Chunked(eqx.Module, Restrictable):
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         del owner
-        return self if instance is None else eqx.Partial(self, instance)
+        return self if instance is None else BoundMethod(self, instance)
 
 
 def wrap(fun: Fun, plan: AbstractPlan, options: ChunkOptions) -> "Chunked":
@@ -275,6 +278,7 @@ class AbstractMappedPlan(AbstractPlan):
     axis_size: int | None = None
     # Whether the batch may be split over devices (found on the mapped inputs).
     sharded: ClassVar[bool] = False
+    restrictable: ClassVar[bool] = True
 
     def check(self, api: str) -> None:
         del api

@@ -405,10 +405,130 @@ def test_unmapped_input_split_over_the_batch_axis(getkey):
     assert same(actual_grad, jax.grad(lambda w, x: oracle(w, x).sum())(*args))
 
 
-def test_indivisible_batch_raises():
-    mesh = mesh_1d(AUTO)
-    chunked = fc.filter_chunked_vmap(jnp.sin, chunk_size=3, spmd_axis_name="batch")
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="multiple of 8"):
+def _rows(w, x):
+    return jnp.tanh(x @ w), jnp.outer(x, w), w.sum() * 2
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize(
+    "batch, chunk_size, remainder",
+    (
+        (1001, 16, "overlap"),
+        (1001, 125, "separate"),
+        (3, 2, "overlap"),
+        (9, None, "overlap"),
+    ),
+)
+def test_batch_the_mesh_does_not_divide(axis_type, batch, chunk_size, remainder):
+    # Padded to a multiple of 8 devices, the padding skipped: `jax.vmap`'s values,
+    # shardings and gradients.
+    mesh = mesh_1d(axis_type)
+    x = np.random.RandomState(0).randn(batch, 3).astype(np.float32)
+    w = np.linspace(-1.0, 1.0, 3, dtype=np.float32)
+    axes: dict[str, Any] = dict(in_axes=(None, 0), out_axes=(0, 2, None))
+    meter = recorder()
+    chunked, metered = (
+        fc.filter_chunked_vmap(
+            _rows,
+            chunk_size=chunk_size,
+            remainder=remainder,
+            spmd_axis_name="batch",
+            progress_meter=m,
+            **axes,
+        )
+        for m in (None, meter)
+    )
+    oracle = jax.vmap(_rows, spmd_axis_name="batch", **axes)
+    grad = lambda f: jax.grad(lambda w, x: f(w, x)[0].sum(), argnums=(0, 1))  # noqa: E731
+    with jax.set_mesh(mesh):
+        actual, expected = jax.jit(chunked)(w, x), jax.jit(oracle)(w, x)
+        # The meter counts the elements, not the padding.
+        jax.block_until_ready(jax.jit(metered)(w, x))
+        if chunk_size is not None and chunk_size < -(-batch // 8):  # a loop
+            check_one_call(meter, "filter_chunked_vmap", batch)
+        actual_grad = jax.jit(grad(chunked))(w, x)
+        expected_grad = jax.jit(grad(oracle))(w, x)
+        valid = jax.jit(lambda w, x: chunked.valid(batch // 2)(w, x))(w, x)
+    assert same(actual, expected)
+    for a, e in zip(actual, expected):
+        assert a.sharding.is_equivalent_to(e.sharding, a.ndim), (a.sharding, e.sharding)
+    assert same(actual_grad, expected_grad)
+    assert same(valid[0][: batch // 2], expected[0][: batch // 2])
+    assert not np.asarray(valid[0][batch // 2 :]).any()
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("chunk_size", (3, None))
+def test_spmd_axis_name_with_inputs_off_the_mesh(axis_type, chunk_size):
+    # A NumPy array and an array on one device, split by `spmd_axis_name` alone;
+    # eager and jitted, with and without `valid`.
+    x = np.random.RandomState(0).randn(64, 3).astype(np.float32)
+    w = np.linspace(-1.0, 1.0, 3, dtype=np.float32)
+    chunked = fc.filter_chunked_vmap(
+        _rows,
+        in_axes=(None, 0),
+        out_axes=(0, 2, None),
+        chunk_size=chunk_size,
+        spmd_axis_name="batch",
+    )
+    expected = jax.vmap(_rows, in_axes=(None, 0), out_axes=(0, 2, None))(w, x)
+    with jax.set_mesh(mesh_1d(axis_type)):
+        for xs in (x, jnp.asarray(x)):
+            assert same(chunked(w, xs), expected)
+            assert same(jax.jit(chunked)(w, xs), expected)
+            out = np.asarray(chunked.valid(20)(w, xs)[0])
+            assert same(out[:20], expected[0][:20]) and not out[20:].any()
+
+
+def _weighted(w, x):
+    return x * w, jnp.sum(x * w)
+
+
+@pytest.mark.parametrize("axis_type", (AUTO, EXPLICIT))
+@pytest.mark.parametrize("batch, valid", ((13, None), (64, "mask"), (13, "mask")))
+def test_sum_match_with_padding_or_a_mask(axis_type, batch, valid):
+    # The sums accumulated on each device, over the elements only.
+    x = np.random.RandomState(0).randn(batch, 2).astype(np.float32)
+    w = np.array([1.5, -2.0], np.float32)
+    mask = np.arange(batch) % 3 == 0 if valid else np.ones(batch, bool)
+    chunked = fc.filter_chunked_vmap(
+        _weighted,
+        in_axes=(None, 0),
+        out_axes=(0, None),
+        chunk_size=1,
+        spmd_axis_name="batch",
+        sum_match=True,
+    )
+    call = chunked.valid(mask=mask) if valid else chunked
+    with jax.set_mesh(mesh_1d(axis_type)):
+        rows, total = eqx.filter_jit(call)(w, x)
+        grad = jax.jit(jax.grad(lambda w: call(w, x)[1]))(w)
+    assert same(np.asarray(rows)[mask], x[mask] * w)
+    assert not np.asarray(rows)[~mask].any()
+    assert same(total, np.sum(x[mask] * w))
+    assert same(grad, x[mask].sum(0))
+
+
+def test_progress_of_a_call_inside_a_sharded_batch():
+    # The inner call maps 6 elements per element of the outer batch: its meter
+    # counts 6, not 6 times the outer batch's devices.
+    meter = recorder("inner")
+    inner = fc.filter_chunked_vmap(lambda y: y * 2, chunk_size=2, progress_meter=meter)
+    outer = fc.filter_chunked_vmap(inner, chunk_size=4, spmd_axis_name="batch")
+    with jax.set_mesh(mesh_1d(AUTO)):
+        jax.block_until_ready(jax.jit(outer)(jnp.ones((16, 6))))
+    opens = [e for e in meter.events if e[0] == "open"]
+    assert opens and all(e == ("open", "inner", 6) for e in opens), meter.events
+
+
+def test_batch_the_mesh_does_not_divide_with_staged_collectives_raises():
+    def normalised(x):
+        return x - lax.pmean(x, "i")
+
+    chunked = fc.filter_chunked_vmap(
+        normalised, chunk_size=3, axis_name="i", spmd_axis_name="batch"
+    )
+    with jax.set_mesh(mesh_1d(AUTO)), pytest.raises(ValueError, match="multiple of 8"):
         jax.jit(chunked)(jnp.ones((10, 2)))
 
 

@@ -287,6 +287,17 @@ def test_skipped_chunks_evaluate_nothing() -> None:
         jax.effects_barrier()
         assert len(seen) == chunks, count  # once per chunk, not per element
         np.testing.assert_array_equal(out, jnp.where(jnp.arange(40) < count, x * 2, 0))
+    # Under an outer `vmap` of differing counts: the chunks where one of its
+    # elements has a valid element, once each.
+    outer = jax.jit(jax.vmap(lambda x, n: chunked.valid(n)(x)))
+    for counts, chunks in (((0, 0), 0), ((1, 5), 2), ((0, 40), 10), ((13, 2), 4)):
+        seen.clear()
+        out = outer(jnp.stack([x, -x]), jnp.array(counts))
+        jax.effects_barrier()
+        assert len(seen) == chunks, counts
+        for sign, count, row in zip((1, -1), counts, out):
+            expected = jnp.where(jnp.arange(40) < count, sign * x * 2, 0)
+            np.testing.assert_array_equal(row, expected)
 
 
 def test_random_numbers_per_element_do_not_depend_on_chunking() -> None:
@@ -371,3 +382,35 @@ def test_apply_against_fun_on_valid_elements(chunk_size: int) -> None:
         np.testing.assert_allclose(g_w, e_w, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g_x[valid], e_x, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(g_x[~valid], 0.0)
+
+
+class _Scaled(eqx.Module):
+    w: jax.Array
+
+    @fc.filter_chunked_vmap(in_axes=(None, 0), chunk_size=2)
+    def root(self, x: jax.Array) -> jax.Array:
+        return jnp.sqrt(x * self.w)
+
+    @eqx.filter_vmap(in_axes=(None, 0))
+    def oracle(self, x: jax.Array) -> jax.Array:
+        return jnp.sqrt(x * self.w)
+
+
+def test_bound_method() -> None:
+    # `model.method` binds the instance: its `valid` keeps it bound.
+    model = _Scaled(jnp.array(2.0))
+    x = jnp.array([1.0, 4.0, 0.5, jnp.nan, 3.0])
+    mask = np.array([True, True, False, False, True])
+    for valid, restricted in (
+        (np.arange(5) < 3, model.root.valid(3)),
+        (mask, model.root.valid(mask=mask)),
+    ):
+        out = restricted(x)
+        np.testing.assert_array_equal(out[valid], model.oracle(x[valid]))
+        np.testing.assert_array_equal(out[~valid], 0.0)
+    run = eqx.filter_jit(lambda m, x, n: m.root.valid(n)(x))
+    np.testing.assert_array_equal(run(model, x, 2)[:2], model.oracle(x[:2]))
+    grad = eqx.filter_grad(lambda m, x: m.root.valid(3)(x).sum())(model, x)
+    expected = eqx.filter_grad(lambda m, x: m.oracle(x).sum())(model, x[:3])
+    np.testing.assert_allclose(grad.w, expected.w, rtol=1e-6)
+    assert isinstance(model.root, eqx.Partial)
