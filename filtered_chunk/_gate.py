@@ -37,7 +37,7 @@ from jaxtyping import Array, PyTree
 from ._custom_types import Batch, ChunkOutput, InputArray
 from ._loop._accumulate import lowest
 from ._loop._scan import as_arrays
-from ._sharding import BatchSharding, gathered
+from ._sharding import BatchSharding, gathered, on_mesh
 from ._structs import full, inexact
 
 
@@ -53,7 +53,7 @@ def gated(batch: Batch, count: Any, fill: Any, sharding: BatchSharding | None) -
     check = None if batch.check is None else ft.partial(_checked, batch.check)
     mapped = batch.mapped
     if size != batch.size:
-        pad = ft.partial(_padded, size - batch.size)
+        pad = ft.partial(_padded, sharding, size - batch.size)
         mapped = jtu.tree_map(pad, batch.in_axes, mapped)
     return Batch(
         chunk,
@@ -88,12 +88,19 @@ def _sliced(x: Array, axis: int, size: int, sharding: BatchSharding | None) -> A
     return lax.slice_in_dim(x, 0, size, axis=axis)
 
 
-def _padded(rows: int, axis: int, x: InputArray) -> InputArray:
+def _padded(
+    sharding: BatchSharding | None, rows: int, axis: int, x: InputArray
+) -> InputArray:
     """`x` with `rows` rows of zeros after its last along `axis`."""
     widths = [(0, 0)] * jnp.ndim(x)
     widths[axis] = (0, rows)
     if isinstance(x, np.ndarray):
         return np.pad(x, widths)  # a NumPy array stays one (`InputArray`)
+    if sharding is not None:
+        # In explicit mode, on the mesh first: the pad's transpose, a slice,
+        # then takes a replicated cotangent, where one split over the devices
+        # cannot be cut to a size they do not divide.
+        x = on_mesh(sharding, x)
     return jnp.pad(x, widths)
 
 

@@ -390,6 +390,17 @@ def gathered(sharding: BatchSharding, x: Array) -> Array:
     return x if new == old else jax.sharding.reshard(x, _spec(new))
 
 
+def on_mesh(sharding: BatchSharding, x: Array) -> Array:
+    """In explicit mode, `x` replicated on the batch's mesh if it is on none (an
+    array on one device)."""
+    current = leaf_sharding(x)
+    if current is not None and current.mesh.explicit_axes:
+        return x
+    if not set(sharding.axis_names) & set(sharding.mesh.explicit_axes):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
+
+
 def _conform(sharding: BatchSharding, axis: int | None, x: Any) -> Any:
     """In explicit mode, reshards `x` to be split over the batch's mesh axes along
     `axis` only (replicated over them if `axis` is `None`), as `shard_map` requires;

@@ -449,10 +449,13 @@ def test_batch_the_mesh_does_not_divide(axis_type, batch, chunk_size, remainder)
         actual_grad = jax.jit(grad(chunked))(w, x)
         expected_grad = jax.jit(grad(oracle))(w, x)
         valid = jax.jit(lambda w, x: chunked.valid(batch // 2)(w, x))(w, x)
+        # Eager, on an array on one device: its cotangent comes back replicated.
+        eager_grad = grad(chunked)(w, jnp.asarray(x))
     assert same(actual, expected)
     for a, e in zip(actual, expected):
         assert a.sharding.is_equivalent_to(e.sharding, a.ndim), (a.sharding, e.sharding)
     assert same(actual_grad, expected_grad)
+    assert same(eager_grad, expected_grad)
     assert same(valid[0][: batch // 2], expected[0][: batch // 2])
     assert not np.asarray(valid[0][batch // 2 :]).any()
 
