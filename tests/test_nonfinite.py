@@ -10,6 +10,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -151,7 +152,9 @@ def test_nan_stays_where_vmap_has_it(transform, remainder, sizes, getkey):
 @pytest.mark.parametrize("remainder", REMAINDERS)
 @pytest.mark.parametrize("sizes", SIZES)
 def test_forward_tangents_unchanged(remainder, sizes, getkey):
-    # The overlapping rows' tangents are the mean of two equal copies: exact.
+    # The overlapping rows' tangents are the mean of two equal copies: exact, up
+    # to the last bit that XLA may round differently in a program compiled
+    # apart from the oracle's (jax 0.12.1 does, in a row no step overlaps).
     batch_size, chunk_size = sizes
     x = _inputs(batch_size)
     t = jr.normal(getkey(), (batch_size,))
@@ -159,7 +162,7 @@ def test_forward_tangents_unchanged(remainder, sizes, getkey):
     actual, expected = jax.jvp(chunked, (x,), (t,)), jax.jvp(oracle, (x,), (t,))
     assert _same(actual, expected)
     finite = jnp.isfinite(expected[1])
-    assert bool(jnp.all(actual[1][finite] == expected[1][finite]))
+    np.testing.assert_array_max_ulp(actual[1][finite], expected[1][finite], maxulp=1)
 
 
 @pytest.mark.parametrize("remainder", REMAINDERS)
