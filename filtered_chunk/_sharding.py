@@ -382,12 +382,7 @@ def _batched_sharding(
 def gathered(sharding: BatchSharding, x: Array) -> Array:
     """In explicit mode, `x` replicated over the batch's mesh axes: a slice of a
     split dimension must be one the devices divide."""
-    current = leaf_sharding(x)
-    if current is None or not current.mesh.explicit_axes:
-        return x
-    old = _entries(current.spec, x.ndim)
-    new = _without(sharding, current.spec, x.ndim)
-    return x if new == old else jax.sharding.reshard(x, _spec(new))
+    return _conform(sharding, None, x)
 
 
 def on_mesh(sharding: BatchSharding, x: Array) -> Array:
