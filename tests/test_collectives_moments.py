@@ -121,6 +121,7 @@ def _by_hand(kind):
         ("square", (3,), jnp.float64),
         ("power", (3,), jnp.complex128),
         ("conj", (3,), jnp.complex128),
+        ("conv", (3, 4, 5), jnp.complex128),
         ("sum", (3,), jnp.float64),
         ("conv", (3, 4, 5), jnp.float32),
     ],
@@ -131,11 +132,8 @@ def test_written_by_hand(kind, shape, dtype, batch_size, getkey):
     w = jr.normal(getkey(), shape, dtype)
     fun = _by_hand(kind)
     if batch_size > K:
-        # From jax 0.12.1 a complex variance written with `**` or `jnp.conj` is
-        # computed in two passes, exactly, where it was fused into one: a
-        # regression in speed (the two-pass variance is exact), to be found.
-        regressed = kind in ("power", "conj") and jax.__version_info__ >= (0, 12, 1)
-        assert num_passes(fun, [x], [w], K) == (2 if regressed else 1)
+        # Complex means are divided part by part from jax 0.12.1: still one pass.
+        assert num_passes(fun, [x], [w], K) == 1
     expected = vmap_call(fun, [x], [w])
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == jnp.float32 else dict(rtol=1e-10)
     assert tree_allclose(staged_call(fun, [x], [w], K), expected, **tol)

@@ -41,7 +41,6 @@ from .._summed import as_sums, merge_varying, split_varying
 from ._element import element_fn, with_mapped
 from ._passes import finish, kind, strong
 from ._plan import _schedule, differentiable, Plan
-from ._program import bind
 from ._run import _loop, forward, VaryingUnmappedOutput
 from ._tangents import add_tangents, jvp_held, tangent_or_zero
 
@@ -243,9 +242,7 @@ class _TangentLoops:
         plan, eqns = self.plan, self.plan.program.jaxpr.eqns
         shifts = {}
         for moment in plan.moments.get(level, []):
-            m_eqn = eqns[moment.m_eqn]
-            (m,) = bind(m_eqn, [self.results[moment.mean][0], m_eqn.invars[1].val])
-            shifts[moment.m] = m
+            shifts[moment.m] = moment.mean_from(eqns, self.results[moment.mean][0])
         ids = _differentiated(plan, level)
         return self._run(level, self.fixed, results, self.batch, shifts, ids)[0]
 

@@ -49,6 +49,7 @@ from jaxtyping import Array
 
 from .._structs import inexact
 from ._analysis import axis_names
+from ._program import bind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +61,25 @@ class Moment:
     mean: int  # the mean's `psum`
     variance: int  # the variance's `psum`
     m: Any  # the mean over the batch (a variable of the jaxpr)
-    m_eqn: int  # the equation that computes it from the mean's `psum`
+    # The equations that compute it from the mean's `psum`, in order: one `div`,
+    # or, for a complex mean from JAX 0.12.1, `real`, `imag`, a `div` of each and
+    # `complex`.
+    m_eqns: tuple[int, ...]
     conj: tuple[bool, bool]  # which factor of the pair is conjugated
     # The variance's operand is `coef` times the mean over `J` of the pairs, so
     # its sum over the batch's `N` elements is corrected by `coef * N` pairs.
     coef: float
+
+    def mean_from(self, eqns: list[Any], total: Array) -> Array:
+        """`m` from the mean's `psum` result `total`, as the jaxpr computes it."""
+        env = {eqns[self.mean].outvars[0]: total}
+        for j in self.m_eqns:
+            eqn = eqns[j]
+            invals = [
+                v.val if isinstance(v, jex.Literal) else env[v] for v in eqn.invars
+            ]
+            env.update(zip(eqn.outvars, bind(eqn, invals)))
+        return env[self.m]
 
     def _pair(self, x: Array) -> Array:
         first, second = (jnp.conj(x) if c else x for c in self.conj)
@@ -209,6 +224,37 @@ class _Matcher:
             return None
         return y1, m1, (c1, c2)
 
+    def divided(self, v: Any) -> Any:
+        """The equation that makes `v` as `x / N` (`N` the batch's size), or `None`."""
+        eqn = self.producer(v, "div")
+        if eqn is None or not _is_literal(eqn.invars[1], self.batch_size):
+            return None
+        return eqn
+
+    def batch_mean(self, m: Any) -> tuple[Any, tuple[int, ...]] | None:
+        """`m` as `psum(x) / N`: the `psum`'s equation and the indices of those
+        that divide its result, in order. A complex mean is divided as it is or,
+        as JAX traces it from 0.12.1, part by part:
+        `complex(real(p) / N, imag(p) / N)`."""
+        if (eqn := self.divided(m)) is not None:
+            psum, chain = self.producer(eqn.invars[0], "psum"), [eqn]
+        elif (parts := self.producer(m, "complex")) is not None:
+            chain = [self.divided(v) for v in parts.invars]
+            if None in chain:
+                return None
+            names = ("real", "imag")
+            taken = [self.producer(e.invars[0], n) for e, n in zip(chain, names)]
+            if None in taken or taken[0].invars[0] is not taken[1].invars[0]:
+                return None
+            psum = self.producer(taken[0].invars[0], "psum")
+            chain = [*taken, *chain, parts]
+        else:
+            return None
+        if not _single_psum(psum, self.axis_name):
+            return None
+        order = tuple(sorted(self.made_by[e.outvars[0]] for e in chain))
+        return psum, order
+
     def match(self, i: int) -> Moment | None:
         """Equation `i` as a variance's `psum` about a mean over the batch."""
         eqn = self.eqns[i]
@@ -226,12 +272,10 @@ class _Matcher:
             return None
         y, m, conj = found
         # `m`: the batch's mean of `mean(y, J)`, as `lax.pmean` computes it.
-        m_eqn = self.producer(m, "div")
-        if m_eqn is None or not _is_literal(m_eqn.invars[1], self.batch_size):
+        scaled = self.batch_mean(m)
+        if scaled is None:
             return None
-        mean = self.producer(m_eqn.invars[0], "psum")
-        if not _single_psum(mean, self.axis_name):
-            return None
+        mean, m_eqns = scaled
         inner = self.mean_over(mean.invars[0])
         size = math.prod(y.aval.shape[d] for d in axes)
         if inner is None or inner[1:] != (axes, size):
@@ -240,14 +284,7 @@ class _Matcher:
             return None
         if len({y.aval.dtype, m.aval.dtype, operand.aval.dtype}) != 1:
             return None
-        return Moment(
-            self.made_by[m_eqn.invars[0]],
-            i,
-            m,
-            self.made_by[m],
-            conj,
-            size / scale,
-        )
+        return Moment(self.made_by[mean.outvars[0]], i, m, m_eqns, conj, size / scale)
 
 
 def find_moments(jaxpr: Any, axis_name: Hashable, batch_size: int) -> dict[int, Moment]:

@@ -156,8 +156,7 @@ def level_results(
             parts = [typed(parts[0] + n * shift, eqn.invars[0].aval)]
         if i in moments:  # summed about a shift: its mean's result corrects it
             moment = moments[i]
-            m_eqn = eqns[moment.m_eqn]
-            (m,) = bind(m_eqn, [out[moment.mean][0], m_eqn.invars[1].val])
+            m = moment.mean_from(eqns, out[moment.mean][0])
             shift = strong(shifts[moment.m])
             offset = about[moment.mean]
             summed = moment.correct(parts[0], offset, strong(m), shift, n)
