@@ -12,7 +12,8 @@ from jaxtyping import PyTree
 from ._custom_types import Batch as Batch, ChunkFn, ChunkOutput, InputArray, LoopOptions
 from ._gate import gated, unpadded
 from ._loop import reduced, run_in_chunks
-from ._sharding import BatchSharding, run_sharded
+from ._mesh import BatchSharding
+from ._sharding import run_sharded
 from ._staged import (
     NONE,
     output_shapes,

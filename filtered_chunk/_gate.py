@@ -37,7 +37,7 @@ from jaxtyping import Array, PyTree
 from ._custom_types import Batch, ChunkOutput, InputArray
 from ._loop._accumulate import lowest
 from ._loop._scan import as_arrays
-from ._sharding import BatchSharding, gathered, on_mesh
+from ._mesh import BatchSharding, gathered, on_mesh
 from ._structs import full, inexact
 
 

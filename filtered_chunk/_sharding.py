@@ -20,9 +20,8 @@ user names the mesh axis with `spmd_axis_name` (and the mesh comes from
 """
 
 import functools as ft
-import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -34,56 +33,28 @@ from jaxtyping import Array, PyTree
 
 from ._axes import describe, is_array
 from ._custom_types import ChunkFn, ChunkOutput, InputArray, SpmdAxisName
+from ._mesh import (
+    AnyMesh,
+    as_names,
+    batched_sharding,
+    BatchSharding,
+    conform,
+    leaf_sharding,
+    spec_of,
+    without,
+)
 from ._reporting import sharded
 from ._structs import struct
 
 
-AnyMesh: TypeAlias = Mesh | AbstractMesh
-
-
-class BatchSharding(NamedTuple):
-    """The mesh, and the axes of it, that the batch is split over."""
-
-    mesh: AnyMesh
-    axis_names: tuple[str, ...]
-
-    @property
-    def num_devices(self) -> int:
-        return math.prod(self.mesh.shape[name] for name in self.axis_names)
-
-    def spec(self, axis: int) -> P:
-        """A `PartitionSpec` splitting dimension `axis` over the batch's axes."""
-        names = self.axis_names
-        return P(*([None] * axis), names[0] if len(names) == 1 else names)
-
-
 def check_spmd_axis_name(spmd_axis_name: SpmdAxisName, api: str) -> None:
     """Checks, when the transform is built, that `spmd_axis_name` names axes."""
-    names = _as_names(spmd_axis_name)
+    names = as_names(spmd_axis_name)
     if spmd_axis_name is not None and (not names or len(set(names)) != len(names)):
         raise ValueError(
             f"`{api}(..., spmd_axis_name=...)` must be a mesh axis name or a tuple of "
             f"distinct mesh axis names, got {spmd_axis_name!r}."
         )
-
-
-def _as_names(entry: Any) -> tuple[str, ...]:
-    if entry is None or entry is P.UNCONSTRAINED:
-        return ()
-    return tuple(entry) if isinstance(entry, tuple | list) else (entry,)
-
-
-def leaf_sharding(x: Any) -> NamedSharding | None:
-    """The sharding JAX shows for `x` while tracing, if it is a named one."""
-    if isinstance(x, jax.core.Tracer):
-        # Only explicit-sharding mode puts the sharding in the type; in auto mode
-        # the spec is all `None`, which reads as "not split".
-        sharding = getattr(jax.typeof(x), "sharding", None)
-    elif isinstance(x, jax.Array):
-        sharding = x.sharding
-    else:
-        return None
-    return sharding if isinstance(sharding, NamedSharding) else None
 
 
 def on_devices(structs: list[Any], xs: Iterable[Any]) -> list[Any]:
@@ -131,7 +102,7 @@ def on_devices(structs: list[Any], xs: Iterable[Any]) -> list[Any]:
 
 def _split_names(sharding: NamedSharding, axis: int) -> tuple[str, ...]:
     spec = sharding.spec
-    names = _as_names(spec[axis]) if axis < len(spec) else ()
+    names = as_names(spec[axis]) if axis < len(spec) else ()
     mesh = sharding.mesh
     # An axis that is already manual (inside an outer `shard_map`) is not ours.
     return tuple(n for n in names if n not in set(mesh.manual_axes))
@@ -173,7 +144,7 @@ def find_batch_sharding(
         names = _split_names(sharding, axis)
         if names:
             split[describe("in_axes", path)] = names
-    wanted = _as_names(spmd_axis_name)
+    wanted = as_names(spmd_axis_name)
     if not wanted and not split:
         return None
     mesh = _pick_mesh(meshes, api)
@@ -225,8 +196,8 @@ def _local_struct(sharding: BatchSharding, axis: int, x: Any) -> jax.ShapeDtypeS
     current = leaf_sharding(x)
     local = None
     if current is not None and current.mesh.explicit_axes:
-        entries = _without(sharding, current.spec, np.ndim(x))
-        local = NamedSharding(current.mesh, _spec(entries))
+        entries = without(sharding, current.spec, np.ndim(x))
+        local = NamedSharding(current.mesh, spec_of(entries))
     return struct(x, axis, size, weak=False, sharding=local)
 
 
@@ -251,8 +222,8 @@ def run_sharded(
     batch_size: int,
     sharding: BatchSharding,
     api: str,
-    check_vma: bool = True,
-    elements: int | None = None,
+    check_vma: bool,
+    elements: int,
 ) -> ChunkOutput:
     """Evaluates `local(closed, local_inputs, local_batch_size)` on each shard.
 
@@ -277,8 +248,8 @@ def run_sharded(
         )
     local_size = batch_size // num_devices
     arrays, rest = eqx.partition(closed, is_array)
-    arrays = jtu.tree_map(ft.partial(_conform, sharding, None), arrays)
-    mapped = jtu.tree_map(ft.partial(_conform, sharding), in_axes, mapped)
+    arrays = jtu.tree_map(ft.partial(conform, sharding, None), arrays)
+    mapped = jtu.tree_map(ft.partial(conform, sharding), in_axes, mapped)
     structs = jtu.tree_map(ft.partial(_local_struct, sharding), in_axes, mapped)
     shapes = eqx.filter_eval_shape(chunk_fn, structs, local_size)
 
@@ -286,7 +257,7 @@ def run_sharded(
 
     def _local(_arrays: PyTree[Array], _mapped: PyTree[InputArray]) -> tuple[Any, Any]:
         # One meter, not one a device.
-        with sharded(sharding.axis_names, num_devices, elements or batch_size):
+        with sharded(sharding.axis_names, num_devices, elements):
             _out = local(eqx.combine(_arrays, rest), _mapped, local_size)
         # An accumulated output: every device's accumulator, combined.
         leaves, treedef = jtu.tree_flatten(_out.batched)
@@ -339,7 +310,7 @@ def _shard_map(
 
     structs = jtu.tree_leaves(shapes.batched)
     batched = [
-        _batched_sharding(sharding, struct, axis, k)
+        batched_sharding(sharding, struct, axis, k)
         for struct, axis, k in zip(
             structs, shapes.batched_axes, shapes.kinds(), strict=True
         )
@@ -349,71 +320,3 @@ def _shard_map(
         jtu.tree_map(lambda struct: struct.sharding, shapes.unbatched),
     )
     return jax.sharding.auto_axes(_call, axes=tuple(others), out_sharding=out_sharding)
-
-
-def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    """The mesh axes each of `ndim` dimensions is split over."""
-    return [_as_names(entry) for entry in tuple(spec) + (None,) * (ndim - len(spec))]
-
-
-def _without(sharding: BatchSharding, spec: P, ndim: int) -> list[tuple[str, ...]]:
-    """`spec`'s entries, with the batch's mesh axes removed."""
-    names = sharding.axis_names
-    return [tuple(n for n in e if n not in names) for e in _entries(spec, ndim)]
-
-
-def _spec(entries: list[tuple[str, ...]]) -> P:
-    return P(*(e[0] if len(e) == 1 else e or None for e in entries))
-
-
-def _batched_sharding(
-    sharding: BatchSharding, struct: jax.ShapeDtypeStruct, axis: int, kind: Any
-) -> NamedSharding:
-    """A batched output's sharding: one device's chunk, split at `axis`; or, for
-    an accumulated one, replicated over the batch's mesh axes (without `axis`)."""
-    entries = _without(sharding, struct.sharding.spec, len(struct.shape))
-    if kind is not None:
-        del entries[axis]
-        return NamedSharding(sharding.mesh, _spec(entries))
-    entries[axis] = sharding.axis_names + entries[axis]
-    return NamedSharding(sharding.mesh, _spec(entries))
-
-
-def gathered(sharding: BatchSharding, x: Array) -> Array:
-    """In explicit mode, `x` replicated over the batch's mesh axes: a slice of a
-    split dimension must be one the devices divide."""
-    return _conform(sharding, None, x)
-
-
-def on_mesh(sharding: BatchSharding, x: Array) -> Array:
-    """In explicit mode, `x` replicated on the batch's mesh if it is on none (an
-    array on one device)."""
-    current = leaf_sharding(x)
-    if current is not None and current.mesh.explicit_axes:
-        return x
-    if not set(sharding.axis_names) & set(sharding.mesh.explicit_axes):
-        return x
-    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P()))
-
-
-def _conform(sharding: BatchSharding, axis: int | None, x: Any) -> Any:
-    """In explicit mode, reshards `x` to be split over the batch's mesh axes along
-    `axis` only (replicated over them if `axis` is `None`), as `shard_map` requires;
-    a mapped input not on the mesh too.
-
-    In auto mode `shard_map` reshards by itself (and types do not show shardings).
-    """
-    current = leaf_sharding(x)
-    if current is None or not current.mesh.explicit_axes:
-        explicit = set(sharding.axis_names) & set(sharding.mesh.explicit_axes)
-        if axis is None or not explicit:
-            return x
-        # Not on the mesh (a NumPy array, or one device's): split as the batch.
-        return jax.sharding.reshard(
-            x, NamedSharding(sharding.mesh, sharding.spec(axis))
-        )
-    old = _entries(current.spec, np.ndim(x))
-    new = _without(sharding, current.spec, np.ndim(x))
-    if axis is not None:
-        new[axis] = sharding.axis_names + new[axis]
-    return x if new == old else jax.sharding.reshard(x, _spec(new))

@@ -21,7 +21,7 @@ from jaxtyping import Array, PyTree
 from ._batch import run_batch
 from ._custom_types import ChunkOutput, InputArray
 from ._gate import gated, unpadded
-from ._sharding import BatchSharding, leaf_sharding
+from ._mesh import BatchSharding, leaf_sharding
 from ._wrapper import AbstractPlan, Bound, ChunkOptions, Fun
 
 

@@ -37,10 +37,11 @@ from ._budget import (
 )
 from ._custom_types import CheckpointSpec, REMAINDERS, SpmdAxisName
 from ._eager import call_compiled, is_traced
+from ._mesh import BatchSharding
 from ._progress import AbstractProgressMeter, check_meter, is_reporting
 from ._reporting import closing_on_error
 from ._restrict import BoundMethod, Restrictable
-from ._sharding import BatchSharding, check_spmd_axis_name, find_batch_sharding
+from ._sharding import check_spmd_axis_name, find_batch_sharding
 
 
 Fun = Callable[..., Any]  # the function a transform wraps

@@ -30,7 +30,8 @@ from jaxtyping import PyTree
 
 from .._eager import program_key
 from .._jax_compat import memory_counted, transformations_tracing
-from .._sharding import leaf_sharding, on_devices
+from .._mesh import leaf_sharding
+from .._sharding import on_devices
 from .._structs import struct
 from . import _timing
 

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._jaxprs import subjaxprs
-from .._sharding import BatchSharding
+from .._mesh import BatchSharding
 from .._structs import element_struct, inexact, struct
 
 

@@ -35,7 +35,8 @@ from jaxtyping import Array
 
 from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
-from .._sharding import across, BatchSharding
+from .._mesh import BatchSharding
+from .._sharding import across
 from .._structs import inexact
 from .._summed import as_sums, merge_varying, split_varying
 from ._element import element_fn, with_mapped

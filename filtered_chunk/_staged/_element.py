@@ -9,7 +9,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._sharding import BatchSharding
+from .._mesh import BatchSharding
 from .._structs import typed
 from ._analysis import axis_names
 from ._passes import read, unstaged

@@ -26,7 +26,8 @@ from jaxtyping import Array
 from .._custom_types import ChunkOutput, LoopOptions
 from .._jax_compat import batched_none_output
 from .._loop import Chain, run_in_chunks
-from .._sharding import across, BatchSharding
+from .._mesh import BatchSharding
+from .._sharding import across
 from .._summed import as_sums, merge_varying, split_varying
 from ._element import element_fn, positions
 from ._passes import kind, level_results, strong

@@ -8,7 +8,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from .._sharding import across, BatchSharding
+from .._mesh import BatchSharding
+from .._sharding import across
 from .._structs import typed
 from ._element import element_fn, positions as _positions
 from ._passes import strong

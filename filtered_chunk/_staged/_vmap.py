@@ -13,7 +13,7 @@ from jaxtyping import Array, PyTree
 
 from .._axes import describe, varying_unmapped
 from .._custom_types import ChunkOutput, InputArray, keep_untraced, LoopOptions
-from .._sharding import BatchSharding
+from .._mesh import BatchSharding
 from .._structs import element_struct
 from ._derivative import run_differentiable
 from ._plan import Plan
