@@ -15,11 +15,11 @@ from ._loop import reduced, run_in_chunks
 from ._mesh import BatchSharding
 from ._sharding import run_sharded
 from ._staged import (
+    collective_mode,
     NONE,
     output_shapes,
     plan_staged_vmap,
     run_staged_vmap,
-    schedule_collectives,
     STAGED,
     StagedVmap,
     WHOLE,
@@ -28,7 +28,7 @@ from ._staged._cost import plan_cost
 from ._wrapper import ChunkOptions, kept_every
 
 
-def _schedule(
+def _collectives(
     batch: Batch,
     chunk_size: int | None,
     options: ChunkOptions,
@@ -37,7 +37,7 @@ def _schedule(
     """What collectives over `axis_name` make of the batch (`_staged/_analysis.py`)."""
     if batch.element is None:
         return NONE
-    return schedule_collectives(
+    return collective_mode(
         ft.partial(batch.element, batch.closed),
         batch.mapped,
         batch.in_axes,
@@ -59,7 +59,7 @@ def staged_cost(
     they keep for the whole batch, and the estimated work of the loops against
     evaluating `fun` once for each element (`_staged/_cost.py`); `(0, 0, 1.0)`
     if the batch is not staged."""
-    if _schedule(batch, chunk_size, options, sharding) != STAGED:
+    if _collectives(batch, chunk_size, options, sharding) != STAGED:
         return 0, 0, 1.0
     plan = _plan(batch, options).plan
     kept, work = plan_cost(plan, chunk_size)
@@ -75,17 +75,18 @@ def run_batch(
     """`batch.chunk` over the batch: one `vmap`, or the loop over chunks of
     `chunk_size`, or the staged loops for collectives over `axis_name`; on each
     device's shard if `sharding` splits it."""
-    schedule = _schedule(batch, chunk_size, options, sharding)
-    if sharding is not None and schedule == NONE and batch.size % sharding.num_devices:
+    collectives = _collectives(batch, chunk_size, options, sharding)
+    uneven = sharding is not None and batch.size % sharding.num_devices
+    if uneven and collectives == NONE:
         # Split over devices that do not divide it: padded, its padding skipped.
         gate = gated(batch, batch.size, 0, sharding)
         out = run_batch(gate, chunk_size, options, sharding)
         return unpadded(out, batch.size, sharding)
-    if schedule == WHOLE:
+    if collectives == WHOLE:
         # One `vmap` of the whole batch, as `eqx.filter_vmap`: XLA computes a
         # collective across the devices.
         return _run_local(batch, None, options)
-    if schedule == STAGED:
+    if collectives == STAGED:
         assert chunk_size is not None
         local, closed, shapes = _staged(batch, chunk_size, options, sharding)
     else:
@@ -106,7 +107,7 @@ def run_batch(
         batch_size=batch.size,
         sharding=sharding,
         api=options.api,
-        check_vma=batch.check_vma and schedule != STAGED,
+        check_vma=batch.check_vma and collectives != STAGED,
         elements=batch.size - batch.padding,
     )
 

@@ -1,5 +1,5 @@
 """Finding collectives over the mapped axis, derivatives included, and what they
-mean for the call ([`schedule_collectives`][]): the one collective analysis of
+mean for the call ([`collective_mode`][]): the one collective analysis of
 every transform.
 """
 
@@ -117,7 +117,7 @@ def reads_axis(
     )
 
 
-# What a collective over `axis_name` makes of a call (`schedule_collectives`).
+# What a collective over `axis_name` makes of a call (`collective_mode`).
 NONE, WHOLE, STAGED = "none", "whole", "staged"
 
 # The axes whose per-element programs are being traced for staging, innermost last.
@@ -129,7 +129,7 @@ def staging(axis_name: Hashable) -> Iterator[None]:
     """While `fun` is traced to be staged over `axis_name` (`_program.py`).
 
     A chunked map nested in `fun` whose own function uses a collective over that
-    axis evaluates its batch in one `vmap` (`schedule_collectives`): inside a loop
+    axis evaluates its batch in one `vmap` (`collective_mode`): inside a loop
     of chunks, the collective could not be staged; in one `vmap` it stays at the top
     level of `fun`, and the outer map's chunks bound the memory.
     """
@@ -140,7 +140,7 @@ def staging(axis_name: Hashable) -> Iterator[None]:
         _staging.pop()
 
 
-def schedule_collectives(
+def collective_mode(
     element: Callable[[PyTree[Any]], Any],
     mapped: PyTree[Any],
     in_axes: PyTree[int | None],

@@ -66,7 +66,7 @@ def plan_cost(plan: Plan, chunk_size: int) -> tuple[int, float]:
     batch_size = plan.program.batch_size
     sample = min(SAMPLE, chunk_size, batch_size) / max(batch_size, 1)
     work = 0.0
-    for stage, order in plan.schedules.items():
+    for stage, order in plan.equations.items():
         weight = sample if isinstance(stage, tuple) and stage[0] == SHIFT else 1.0
         work += weight * cost(order)
     kept = sum(

@@ -41,7 +41,7 @@ from .._structs import inexact
 from .._summed import as_sums, merge_varying, split_varying
 from ._element import element_fn, with_mapped
 from ._passes import finish, kind, strong
-from ._plan import _schedule, differentiable, Plan
+from ._plan import _stage_equations, differentiable, Plan
 from ._run import _loop, forward, VaryingUnmappedOutput
 from ._tangents import add_tangents, jvp_held, tangent_or_zero
 
@@ -94,14 +94,14 @@ def _with_tangent_stages(plan: Plan) -> Plan:
     upto = plan.num_passes + 1
     operands = [v for i in _differentiated(plan) for v in jaxpr.eqns[i].invars]
     targets = {WHOLE: operands + list(jaxpr.outvars), OUTPUTS: list(jaxpr.outvars)}
-    schedules = {
-        stage: _schedule(jaxpr.eqns, roots, upto, plan.levels, False, ())[0]
+    equations = {
+        stage: _stage_equations(jaxpr.eqns, roots, upto, plan.levels, False, ())[0]
         for stage, roots in targets.items()
     }
     empty = {stage: [] for stage in targets}
     return dataclasses.replace(
         plan,
-        schedules=plan.schedules | schedules,
+        equations=plan.equations | equations,
         targets=plan.targets | targets,
         reads=plan.reads | empty,
         writes=plan.writes | empty,

@@ -37,7 +37,7 @@ def evaluate(
     # A buffer holds the value's dtype; its weak type is the program's.
     env |= {v: typed(x, v.aval) for v, x in zip(plan.reads[stage], kept, strict=True)}
     get = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-    for i in plan.schedules[stage]:
+    for i in plan.equations[stage]:
         eqn = jaxpr.eqns[i]
         if i in plan.levels:
             out = read(eqn, results[i], position)

@@ -46,7 +46,7 @@ class Plan:
     num_passes: int
     # Stage (1..num_passes, FINAL) -> the equations it evaluates, in order, and the
     # variables it returns.
-    schedules: dict[Any, list[int]]
+    equations: dict[Any, list[int]]
     targets: dict[Any, list[Any]]
     # Stage -> the per-element values it reads from buffers that earlier passes
     # wrote (kept boundaries), and those it writes for later stages; empty unless
@@ -97,7 +97,7 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
     # Every output, the unmapped ones too: `jax.vmap` in the final loop tells
     # whether those vary (`_staged._final`).
     targets[FINAL] = list(jaxpr.outvars)
-    schedules: dict[Any, list[int]] = {}
+    equations: dict[Any, list[int]] = {}
     reads: dict[Any, list[Any]] = {}
     writes: dict[Any, list[Any]] = {s: [] for s in targets}
     # A kept value -> the stage that computed it first (and writes it).
@@ -118,15 +118,15 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
             targets[probe] = [
                 v for moment in shifted for v in jaxpr.eqns[moment.mean].invars
             ]
-            schedules[probe], reads[probe] = _schedule(
+            equations[probe], reads[probe] = _stage_equations(
                 jaxpr.eqns, targets[probe], upto, levels, False, kept.keys()
             )
             writes[probe] = []
             _written(reads[probe])
-        order, read = _schedule(
+        order, read = _stage_equations(
             jaxpr.eqns, roots, upto, levels, stage == FINAL, kept.keys(), given
         )
-        schedules[stage], reads[stage] = order, read
+        equations[stage], reads[stage] = order, read
         _written(read)
         if keep and stage != FINAL and stage % keep == 0:
             _keep(jaxpr, axis_name, order, given, var, kept, stage)
@@ -134,7 +134,7 @@ def make_plan(program: Program, keep: int = 0) -> Plan:
         program,
         levels,
         num_passes,
-        schedules,
+        equations,
         targets,
         reads,
         writes,
@@ -213,7 +213,7 @@ def differentiable(jaxpr: Any, seeds: list[Any]) -> frozenset[Any]:
     return frozenset(found)
 
 
-def _schedule(
+def _stage_equations(
     eqns: list[Any],
     roots: list[Any],
     stage: int,
