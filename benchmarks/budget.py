@@ -70,7 +70,7 @@ from _workloads import Sizes, Workload, workloads
 
 import filtered_chunk as fc
 import filtered_chunk._budget._choose as choose_module
-import filtered_chunk._budget._search as search_module
+import filtered_chunk._budget._counts as counts_module
 import filtered_chunk._budget._store as store_module
 import filtered_chunk._budget._timing as timing_module
 
@@ -300,7 +300,7 @@ def _gram_product(quick: bool) -> Workload:
 def _clear_cache(store: bool = True) -> None:
     """Forgets the choices made: in memory (as a new process would), and with
     `store` also on disk."""
-    search_module._measured.clear()
+    counts_module.measured.clear()
     choose_module._chosen.clear()
     folder = store_module.directory()
     if store and folder is not None:

@@ -205,26 +205,35 @@ _YNN_FUSION = '"__ynn_fusion"'  # the fusion kind in the compiled HLO's text
 _counting = [True]  # until this XLA refuses the option
 
 
-def memory_counted(lowered: Any) -> tuple[Any, tuple[int, int]]:
-    """A `jax.stages.Lowered` compiled as it runs, and its `(temporary, output)`
-    bytes with every buffer counted: on CPU, where the program has YNNPACK
-    fusions, the larger of its own and those of the program compiled with them
-    off (above); elsewhere its own."""
-    compiled = lowered.compile()
-    counts = [compiled.memory_analysis()]
-    if _counting[0] and jax.default_backend() == "cpu":
-        if _YNN_FUSION in str(compiled.as_text()):
-            options: Any = {_EVERY_BUFFER_COUNTED: ""}
-            try:
-                counts.append(
-                    lowered.compile(compiler_options=options).memory_analysis()
-                )
-            except Exception as e:  # an XLA without the option: INVALID_ARGUMENT
-                if _EVERY_BUFFER_COUNTED not in str(e):
-                    raise
-                _counting[0] = False
-    both = [(int(a.temp_size_in_bytes), int(a.output_size_in_bytes)) for a in counts]
-    return compiled, max(both, key=sum)
+def own_count(compiled: Any) -> tuple[int, int]:
+    """The `(temporary, output)` bytes of a compiled program as XLA counts them."""
+    analysis = compiled.memory_analysis()
+    return int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
+
+
+def fusions_uncounted(compiled: Any) -> bool:
+    """Whether XLA's own count of a compiled program can leave buffers out: on
+    CPU, where it has YNNPACK fusions (above)."""
+    if not _counting[0] or jax.default_backend() != "cpu":
+        return False
+    return _YNN_FUSION in str(compiled.as_text())
+
+
+def count_every_buffer(lowered: Any) -> tuple[int, int] | None:
+    """On CPU, the `(temporary, output)` bytes of `lowered` compiled with XLA's
+    YNNPACK fusions off, where XLA allocates and counts every buffer (above);
+    `None` elsewhere, or where this XLA lacks the option. A budget counts the
+    larger of these and the program's own, as it runs."""
+    if not _counting[0] or jax.default_backend() != "cpu":
+        return None
+    options: Any = {_EVERY_BUFFER_COUNTED: ""}
+    try:
+        return own_count(lowered.compile(compiler_options=options))
+    except Exception as e:  # an XLA without the option: INVALID_ARGUMENT
+        if _EVERY_BUFFER_COUNTED not in str(e):
+            raise
+        _counting[0] = False
+        return None
 
 
 def distributed_client() -> Any:

@@ -15,6 +15,7 @@ import pytest
 
 import filtered_chunk as fc
 import filtered_chunk._budget._choose as choose
+import filtered_chunk._budget._counts as counts
 import filtered_chunk._budget._model as model
 import filtered_chunk._budget._search as search
 
@@ -39,11 +40,11 @@ def fake_machine(monkeypatch):
     def _set(backend: str, cache: int) -> None:
         monkeypatch.setattr(model, "backend", lambda: backend)
         monkeypatch.setattr(model, "cache_bytes", lambda: cache)
-        search._measured.clear()
+        counts.measured.clear()
         choose._chosen.clear()
 
     yield _set
-    search._measured.clear()
+    counts.measured.clear()
     choose._chosen.clear()
 
 
@@ -144,7 +145,7 @@ def test_the_choice_is_deterministic(fake_machine):
     fake_machine("cpu", 2**17)
     first, _ = _choose(budget)
     assert first.chunk_size < first.largest
-    search._measured.clear()
+    counts.measured.clear()
     choose._chosen.clear()
     again, _ = _choose(budget)
     # The same choice; its cost (`seconds`) is the search's own.

@@ -17,7 +17,7 @@ import pytest
 
 import filtered_chunk as fc
 import filtered_chunk._budget._choose as choose
-import filtered_chunk._budget._search as search
+import filtered_chunk._budget._counts as counts
 import filtered_chunk._budget._store as store
 import filtered_chunk._budget._values as values
 
@@ -36,7 +36,7 @@ def stored(monkeypatch, tmp_path):
 
 def _forget() -> None:
     """What a new process would not know: the in-memory caches."""
-    search._measured.clear()
+    counts.measured.clear()
     choose._chosen.clear()
 
 

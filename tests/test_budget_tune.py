@@ -15,6 +15,7 @@ import pytest
 
 import filtered_chunk as fc
 import filtered_chunk._budget._choose as choose
+import filtered_chunk._budget._counts as counts
 import filtered_chunk._budget._model as model
 import filtered_chunk._budget._search as search
 import filtered_chunk._budget._timing as timing
@@ -38,7 +39,7 @@ def clean(monkeypatch):
     monkeypatch.setattr(model, "backend", lambda: "cpu")
     monkeypatch.setattr(model, "cache_bytes", lambda: 2**17)
     monkeypatch.setattr(timing, "SECONDS", 0.2)  # fewer rounds of the real timer
-    search._measured.clear()
+    counts.measured.clear()
     choose._chosen.clear()
     timed: list[list[int]] = []
     real = timing.time_each
@@ -49,7 +50,7 @@ def clean(monkeypatch):
 
     monkeypatch.setattr(timing, "time_each", _recording)
     yield timed
-    search._measured.clear()
+    counts.measured.clear()
     choose._chosen.clear()
 
 

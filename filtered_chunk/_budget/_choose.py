@@ -12,8 +12,9 @@ from typing import Any
 from jaxtyping import PyTree
 
 from . import _hosts, _model, _store, _timing
+from ._counts import remember
 from ._program import ChunkedProgram, compilations
-from ._search import _remember, search
+from ._search import search
 from ._values import ChunkSizeChoice, MemoryBudget
 
 
@@ -90,7 +91,7 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
             and _still(call.confirm, chosen, checked)
         ):
             chosen = dataclasses.replace(chosen, stored=True, **cost())
-            _remember(_chosen, choice_key, chosen)
+            remember(_chosen, choice_key, chosen)
             return chosen
     searched, checked, storable = search(
         program,
@@ -109,7 +110,7 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     chosen = dataclasses.replace(chosen, **cost())
     if storable:
         _store.write(name, chosen, checked)
-    _remember(_chosen, choice_key, chosen)
+    remember(_chosen, choice_key, chosen)
     return chosen
 
 

@@ -59,7 +59,9 @@ def refined(
     if keep is None:
         passes, _, _ = staged.cost(None, choice.chunk_size)
         measure = lambda k, n: staged.measure(k, n, choice.budget)  # noqa: E731
-        choice = keep_if_fits(choice, measure, passes, batch_size, remainder)
+        size = choice.chunk_size
+        kept = lambda n: staged.cost(True if n == 1 else n, size)[1]  # noqa: E731
+        choice = keep_if_fits(choice, measure, passes, batch_size, remainder, kept)
     passes, kept_bytes, work = staged.cost(choice.keep_boundaries, choice.chunk_size)
     return dataclasses.replace(
         choice, passes=passes, boundary_bytes=kept_bytes, work=work
@@ -72,10 +74,12 @@ def keep_if_fits(
     passes: int,
     batch_size: int,
     remainder: str,
+    kept_bytes: Callable[[int], int],
 ) -> ChunkSizeChoice:
     """`choice` with the staged collectives (`passes` passes before the final
     loop) keeping the most boundaries that fit the budget (`measure(k, n)`: the
-    bytes of the program at `k` keeping those of every `n`-th pass).
+    bytes of the program at `k` keeping those of every `n`-th pass;
+    `kept_bytes(n)`: the bytes of those boundaries, for the whole batch).
 
     Every pass's; else every `n`-th pass's, for `n` the estimate of where the
     buffers' bytes fit beside the part of `choice`'s bytes that is not per element
@@ -85,7 +89,8 @@ def keep_if_fits(
     n`), the smallest, whose passes recompute least: of 8 passes, every 3rd
     keeps two, as every 4th does. Each at the chosen size, or else at a smaller
     one (`_fit_beside`), at least `MIN_CHUNK`; else `choice` as it is. At most
-    eight compilations."""
+    eight compilations; none for an `n` whose boundaries alone do not fit beside
+    the part of `choice`'s bytes that is not per element, since no size would."""
     if passes == 0:
         return choice
     spent = [0]
@@ -95,8 +100,9 @@ def keep_if_fits(
         return measure(size, every)
 
     k = choice.chunk_size
-    kept = _measure(k, 1)
     fixed = max(choice.bytes - max(choice.element_bytes, 1) * k, 0)
+    possible = lambda n: fixed + kept_bytes(n) <= choice.budget  # noqa: E731
+    kept = _measure(k, 1) if possible(1) else choice.bytes + kept_bytes(1)
     extra, room = kept - choice.bytes, max(choice.budget - fixed, 1)
     estimate, middle = max(2, math.ceil(extra / room)), passes // 2 + 1
     distinct = [n for n in range(2, passes + 1) if passes // n < passes // (n - 1)]
@@ -105,6 +111,8 @@ def keep_if_fits(
     for every in sorted(set(tries)):
         if spent[0] >= KEEP_COMPILATIONS:
             break
+        if not possible(every):
+            continue
         found = kept if every == 1 else _measure(k, every)
         fit = _fit_beside(
             choice,

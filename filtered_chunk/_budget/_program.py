@@ -29,7 +29,12 @@ import jax.tree_util as jtu
 from jaxtyping import PyTree
 
 from .._eager import program_key
-from .._jax_compat import memory_counted, transformations_tracing
+from .._jax_compat import (
+    count_every_buffer,
+    fusions_uncounted,
+    own_count,
+    transformations_tracing,
+)
 from .._mesh import leaf_sharding
 from .._sharding import on_devices
 from .._structs import struct
@@ -187,15 +192,20 @@ class ChunkedProgram:
         self.run = run
         self.structs = [_struct(x) for x in self.leaves]
         self.examples: dict[Hashable, Any] = {}  # shared by the programs timed
+        self._traced: dict[int | None, Any] = {}
 
     def trace(self, k: int | None) -> Any:
-        """The jaxpr at `k`; its consts may be outer tracers or closed-over arrays."""
+        """The jaxpr at `k`, traced once (its key, its pullback and its
+        linearisation share it); its consts may be outer tracers or closed-over
+        arrays."""
 
         def _fn(_leaves: list[Any]) -> Any:
             tree = eqx.combine(jtu.tree_unflatten(self.treedef, _leaves), self.static)
             return jtu.tree_leaves(eqx.filter(self.run(k, tree), eqx.is_array))
 
-        return jax.make_jaxpr(_fn)(self.structs)
+        if k not in self._traced:
+            self._traced[k] = jax.make_jaxpr(_fn)(self.structs)
+        return self._traced[k]
 
     def key(
         self, k: int | None = None
@@ -220,12 +230,9 @@ class ChunkedProgram:
             return None, layers
         return key, layers
 
-    def compile(
-        self, k: int | None, linearize: bool = False
-    ) -> tuple[Measured, Callable[[], Any]]:
-        """The bytes of the call at `k` as the transformations run it (reverse mode as a
-        linearisation if `linearize`; every buffer counted: `memory_counted`), and
-        a run of it on example arguments."""
+    def lower(self, k: int | None, linearize: bool = False) -> "Lowered":
+        """The call at `k` lowered as the transformations run it (reverse mode as
+        a linearisation if `linearize`), to compile."""
         closed = self.trace(k)
         consts, n = list(closed.consts), len(closed.consts)
         layers = layers_of([*consts, *self.leaves])
@@ -233,24 +240,70 @@ class ChunkedProgram:
         structs = [_struct(x) for x in consts] + self.structs
         fn, structs, fed = transformed(_forward, structs, layers, linearize)
         structs = on_devices(structs, [*consts, *self.leaves])
-        compiled, (temp, output) = memory_counted(jax.jit(fn).lower(structs))
-        global _compilations
-        _compilations += 1
-        measured = Measured(temp, output, fed)
 
         @ft.cache  # made on the first run
         def _arguments() -> list[Any]:
             known = [*consts, *self.leaves]
             return _timing.example_arguments(structs, known, self.examples)
 
-        return measured, lambda: compiled(_arguments())
+        return Lowered(jax.jit(fn).lower(structs), fed, _arguments)
+
+
+class Lowered:
+    """A program of the call at one size, lowered; the bytes of the tangents it is
+    fed (`fed`); compiled as it runs (`compiled`) and, on CPU, as XLA counts every
+    buffer (`every_buffer`), each once. The first of the two counts it in
+    `compilations()`."""
+
+    def __init__(
+        self, lowered: Any, fed: int, arguments: Callable[[], list[Any]]
+    ) -> None:
+        self.lowered, self.fed, self._arguments = lowered, fed, arguments
+        self._compiled: Any = None
+        self._every: Measured | None = None
+        self._counted = False
+
+    def _count(self) -> None:
+        global _compilations
+        _compilations += not self._counted
+        self._counted = True
+
+    def compiled(self) -> tuple[Measured, Callable[[], Any]]:
+        """Its bytes as XLA counts them for the program that runs, and a run of it
+        on example arguments."""
+        if self._compiled is None:
+            self._compiled = self.lowered.compile()
+            self._count()
+        compiled = self._compiled
+        measured = Measured(*own_count(compiled), self.fed)
+        return measured, lambda: compiled(self._arguments())
+
+    def every_buffer(self) -> Measured | None:
+        """On CPU, its bytes compiled with XLA's YNNPACK fusions off, where XLA
+        counts every buffer (`count_every_buffer`); `None` elsewhere."""
+        if self._every is None:
+            found = count_every_buffer(self.lowered)
+            if found is None:
+                return None
+            self._count()
+            self._every = Measured(*found, self.fed)
+        return self._every
+
+    def full(self) -> Measured:
+        """Its bytes with every buffer counted: the program that runs, and where
+        XLA's count of it can leave buffers out (`fusions_uncounted`) the larger
+        with `every_buffer()` (each can count more)."""
+        own = self.compiled()[0]
+        every = self.every_buffer() if fusions_uncounted(self._compiled) else None
+        return own if every is None or own.total >= every.total else every
 
 
 def linearisation(program: ChunkedProgram, k: int | None) -> Measured | None:
-    """The call at `k` as a linearisation, or `None` under a `jax.custom_vjp` (a
-    `TypeError`) or a primitive without a JVP rule (`NotImplementedError`): the
-    transformation around it is then a pullback, measured alone (issue 23, item 8)."""
+    """The call at `k` as a linearisation, counted in full (`Lowered.full`), or
+    `None` under a `jax.custom_vjp` (a `TypeError`) or a primitive without a JVP
+    rule (`NotImplementedError`): the transformation around it is then a
+    pullback, measured alone (issue 23, item 8)."""
     try:
-        return program.compile(k, linearize=True)[0]
+        return program.lower(k, linearize=True).full()
     except (TypeError, NotImplementedError):
         return None

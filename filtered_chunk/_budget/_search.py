@@ -17,11 +17,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from jaxtyping import PyTree
-
 from .._loop import Steps
 from . import _model, _timing
-from ._program import argument_bytes, ChunkedProgram, linearisation, Measured
+from ._counts import Counts
+from ._program import argument_bytes, ChunkedProgram, Measured
 from ._refusal import too_small
 from ._values import ChunkSizeChoice, MemoryBudget
 
@@ -29,17 +28,6 @@ from ._values import ChunkSizeChoice, MemoryBudget
 # The sizes a search measures at most (the whole batch, one element, the segments'
 # ends, guesses or probes, the model's size); two programs each under reverse mode.
 MAX_COMPILATIONS = 12
-
-
-_MAX_ENTRIES = 256
-_measured: dict[Hashable, Measured | None] = {}  # `None`: no linearisation
-
-
-def _remember(cache: dict[Hashable, Any], key: Hashable | None, value: Any) -> None:
-    if key is not None:
-        cache[key] = value
-    while len(cache) > _MAX_ENTRIES:
-        del cache[next(iter(cache))]
 
 
 class Sizes:
@@ -180,78 +168,10 @@ def _model_size(sizes: Sizes, cap: int) -> int:
     return sizes.at_most(min(cap, _segments(sizes)[-1][1]))
 
 
-def _with_linearisation(
-    found: Measured,
-    linear: Callable[[], Measured | None],
-    reverse: bool,
-    limit: int,
-    full: bool = False,
-) -> tuple[Measured, bool]:
-    """`found` (a size's program as compiled, under reverse mode its pullback)
-    with, under reverse mode, its linearisation's bytes where larger, and whether
-    both were measured. Both must fit, so the linearisation (`linear()`, `None`
-    under a `jax.custom_vjp`) compiles only if the pullback is within `limit`, or
-    if `full`: over it, the pullback alone says that the size does not fit."""
-    if not reverse:
-        return found, True
-    if found.total > limit and not full:
-        return found, False
-    other = linear()
-    return found if other is None else max(found, other, key=lambda m: m.total), True
-
-
-def _cached(
-    base: Hashable | None, what: str, measure: Callable[[], Measured | None]
-) -> Measured | None:
-    key = None if base is None else (base, what)
-    if key in _measured:
-        return _measured[key]
-    found = measure()
-    _remember(_measured, key, found)
-    return found
-
-
-def _pullback(
-    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int | None
-) -> tuple[ChunkedProgram, Hashable | None, bool, Measured]:
-    """The program `run(k, tree)`, its key, whether it is under reverse mode, and
-    its bytes as compiled (under reverse mode, its pullback), cached on the
-    program traced at `k`: programs that trace alike compile once."""
-    program = ChunkedProgram(run, tree)
-    base, layers = program.key(k)
-    found = _cached(base, "pullback", lambda: program.compile(k)[0])
-    assert found is not None
-    return program, base, any(layer.kind == "reverse" for layer in layers), found
-
-
-def measure_bytes(
-    run: Callable[[int | None, Any], Any],
-    tree: PyTree[Any],
-    k: int | None,
-    limit: int,
-) -> int:
-    """The bytes a search measures for `run(k, tree)` at one size, to compare with
-    `limit`: under reverse mode the larger of the call's pullback and its
-    linearisation, the second compiled only if the first is within `limit`
-    (`_with_linearisation`, as in `search`). Cached (`_pullback`)."""
-    program, base, reverse, found = _pullback(run, tree, k)
-    linear = lambda: _cached(base, "linearisation", lambda: linearisation(program, k))  # noqa: E731
-    return _with_linearisation(found, linear, reverse, limit)[0].total
-
-
-def program_bytes(
-    run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int | None
-) -> int:
-    """The bytes of `run(k, tree)` as compiled (under reverse mode, its pullback):
-    the one program a stored choice is checked by. Cached (`_pullback`)."""
-    return _pullback(run, tree, k)[3].total
-
-
 class _Measurements:
-    """The sizes' programs as one search compiles them: their bytes (`tried`,
-    and `complete`: those measured as every program they run, under reverse
-    mode), the compiled programs to time (`timing`), and the seconds spent
-    compiling. Measurements are also cached in memory, keyed on `base`."""
+    """The sizes' bytes as one search measures them (`tried`: each as far as
+    measured, `complete` where every program it runs was counted in full), the
+    programs to time, and the seconds spent compiling."""
 
     def __init__(
         self,
@@ -262,62 +182,49 @@ class _Measurements:
         reverse: bool,
         timing: str | None,
     ):
-        self.program, self.base, self.batch_size = program, base, batch_size
+        self.counts = Counts(program, base, reverse)
+        self.program, self.batch_size = program, batch_size
         self.limit, self.reverse, self.timing = limit, reverse, timing
         self.tried: dict[int, Measured] = {}
         self.complete: set[int] = set()
-        self.runs: dict[int, Callable[[], Any]] = {}  # to time
-        self.compiling = 0.0  # seconds, for the default's bound
+
+    @property
+    def compiling(self) -> float:
+        return self.counts.seconds
 
     def _chunk(self, k: int) -> int | None:
         return None if k >= self.batch_size else k
 
-    def once(self, k: int, linearize: bool) -> Measured | None:
-        """One program of size `k` (the linearisation's, if `linearize`) compiled
-        and measured, or found in the cache (`None`: no linearisation)."""
-        key = None if self.base is None else (self.base, k, linearize)
-        if key in _measured:
-            return _measured[key]
-        begin = time.perf_counter()
-        if linearize:
-            found = linearisation(self.program, self._chunk(k))
-        else:
-            found, run = self.program.compile(self._chunk(k))
-            if self.timing:  # the program that runs, to time
-                self.runs[k] = run
-        self.compiling += time.perf_counter() - begin
-        _remember(_measured, key, found)
-        return found
+    def bound(self, k: int) -> Measured:
+        """The bytes of size `k` as far as measured, at least XLA's count of the
+        program that runs: a lower bound, over the budget enough to rule it out,
+        that the search moves by."""
+        if k not in self.tried:
+            found = self.counts.count(self._chunk(k), "first")
+            assert found is not None
+            self.tried[k] = found
+        return self.tried[k]
+
+    def measure(self, k: int, full: bool = False) -> Measured:
+        """The bytes of size `k` to compare with the limit (`_Counts.measure`),
+        complete where within it or if `full`."""
+        if k not in self.complete:
+            found, done = self.counts.measure(self._chunk(k), self.limit, full)
+            self.tried[k] = found
+            if done:
+                self.complete.add(k)
+        return self.tried[k]
 
     def run(self, k: int) -> Callable[[], Any]:
         """The compiled program of size `k`, to time."""
-        # Sizes measured from the cache, which keeps no compiled programs, compile.
-        if k not in self.runs:
-            begin = time.perf_counter()
-            self.runs[k] = self.program.compile(self._chunk(k))[1]
-            self.compiling += time.perf_counter() - begin
-        return self.runs[k]
-
-    def measure(self, k: int, full: bool = False) -> Measured:
-        """The bytes of size `k`: under reverse mode a pullback's or a
-        linearisation's (`_with_linearisation`), both if `full`."""
-        if k not in self.tried or full:
-            found = self.once(k, False)
-            assert found is not None
-            found, both = _with_linearisation(
-                found, lambda: self.once(k, True), self.reverse, self.limit, full
-            )
-            if both:
-                self.complete.add(k)
-            self.tried[k] = found
-        return self.tried[k]
+        return self.counts.run(self._chunk(k))
 
     def total(self, k: int) -> int:
         return self.measure(k).total
 
     def refusal(self, api: str, budget: MemoryBudget) -> ValueError:
-        """The error for a budget that no size fits, from both programs of the
-        smallest (the second may make another the smallest)."""
+        """The error for a budget that no size fits, from the smallest measured in
+        full (which may make another the smallest)."""
         tried = self.tried
         while (k := min(tried, key=lambda s: (tried[s].total, s))) not in self.complete:
             self.measure(k, True)
@@ -346,7 +253,15 @@ def search(
     sizes = Sizes(batch_size, remainder)
     # One size is kept back for the model's.
     refusal = lambda: m.refusal(api, budget)  # noqa: E731
-    largest = _search(m.measure, sizes, limit, refusal, lambda: len(m.tried) + 1)
+    spent = lambda: len(m.tried) + 1  # noqa: E731
+    # The search moves by lower bounds, and the size it finds is measured in
+    # full. Where that does not fit, the bounds were loose where it matters (on
+    # CPU XLA's count can leave out every temporary of a YNNPACK fusion; under
+    # reverse mode a linearisation can need a third more than its pullback):
+    # searched again by sizes measured in full where they fit.
+    largest = _search(m.bound, sizes, limit, refusal, spent)
+    if m.total(largest) > limit:
+        largest = _search(m.measure, sizes, limit, refusal, spent)
     tried = m.tried
     element = _element_bytes({s: x.total for s, x in tried.items()}, sizes)
     cap = _model.cache_cap(element)
@@ -369,8 +284,7 @@ def search(
         working_set=tuple((s, s * element) for s in sorted(tried)),
         times=tuple(sorted(times.items())),
     )
-    checked = m.once(k, False)
-    assert checked is not None
+    checked = m.counts.lowered_at(m._chunk(k)).compiled()[0]
     return chosen, checked.total, storable
 
 

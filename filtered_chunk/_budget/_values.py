@@ -261,6 +261,12 @@ class ChunkSizeChoice(eqx.Module):
     - `bytes`: XLA's temporary plus output bytes of the program at that size.
     - `budget`: the budget in bytes.
     - `tried`: `(chunk_size, bytes)` for every size compiled by the search, by size.
+        A size's bytes are counted only as far as its comparison with the budget
+        needed: in full (as `bytes`) for the sizes chosen, timed or reported as
+        `largest`; for the others, a lower bound, enough to show they do not
+        fit where they do not (XLA's count of the program that runs, without
+        the buffers of CPU fusions it leaves out or, under reverse mode, the
+        linearisation).
     - `largest`: the largest size measured to fit (whose next size up does not).
     - `model`: how `chunk_size` was chosen among the sizes that fit:
         - `"timed"`: the fastest of the sizes in `times` (`MemoryBudget(...,
@@ -295,7 +301,8 @@ class ChunkSizeChoice(eqx.Module):
         pass's for an `n` estimated from their bytes or the next `n` that keeps
         fewer, else only the middle pass's, at the size chosen without them or at
         a smaller size (at least 8) where their bytes fit beside the rest (at
-        most eight compilations more).
+        most eight compilations more, none for boundaries whose own bytes could
+        not fit at any size).
     - `passes`: with collectives across chunks, the passes over the batch before
         the final loop (the call runs `passes + 1` loops); `0` otherwise.
     - `boundary_bytes`: the bytes of the values that those passes keep (see
@@ -310,7 +317,8 @@ class ChunkSizeChoice(eqx.Module):
         of eight layers: about 5 recomputing). `1.0` without collectives across
         chunks.
     - `compilations`, `seconds`: what the choice cost the process that made it:
-        the programs XLA compiled for it (under reverse mode two a size) and the
+        the programs XLA compiled for it (under reverse mode two for a size
+        that fits: its pullback and its linearisation) and the
         seconds from the start of the search (tracing, compiling, timing) to the
         choice. For a stored choice, the check of its program.
 
