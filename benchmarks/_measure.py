@@ -39,8 +39,8 @@ class Compiled:
 # show no temporaries at all. `compile_fn(..., count_all=True)` reads the memory
 # of the same program compiled with those fusions off, where XLA counts every
 # buffer; the executable that runs (and is timed) keeps XLA's defaults. (A memory
-# budget counts the larger of the two: `every_buffer_counted` in
-# `filtered_chunk/_jax_compat.py`.)
+# budget counts the larger of the two: `Lowered.full` in
+# `filtered_chunk/_budget/_program.py`.)
 _EVERY_BUFFER_COUNTED = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

@@ -1,6 +1,7 @@
 """A budget counts every buffer of the program that runs: on CPU, XLA's YNNPACK
 fusions keep scratch memory that `memory_analysis()` does not report, so the
-budget also reads the program compiled with them off (`every_buffer_counted`)."""
+budget also reads the program compiled with them off (`Lowered.full`); and it
+counts each size only as far as its comparison with the budget needs."""
 
 from typing import Any
 

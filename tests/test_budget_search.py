@@ -221,7 +221,7 @@ def test_repeated_calls_compile_nothing_for_the_search(getkey):
     capped = choice.chunk_size < choice.largest
     assert 3 <= len(choice.tried) <= 8 + capped
     # On CPU a program with YNNPACK fusions compiles once more, to count every
-    # buffer (`every_buffer_counted`).
+    # buffer (`Lowered.full`).
     assert len(choice.tried) <= len(first) <= 2 * len(choice.tried)
     with count_compiles() as again:
         assert fc.suggest_chunk_size(chunked, x) == choice
