@@ -7,9 +7,9 @@ chunk, then each range's ends from the largest down, with guesses between where 
 its smallest size fits (`_secant`). One element per chunk need not be the smallest
 program (a collective's staged program, or XLA's schedule of a small derivative,
 can need more, issue 23, item 7): where no range's ends fit, sizes across the
-smallest range are measured (`_probes`) before the budget is refused. Measurements
-are cached on the traced program; the choices are cached and stored by
-`_choose.py`.
+smallest range are measured (`_probes`) before the budget is refused. Each size is
+measured only as far as its comparison with the budget needs, cached on the
+traced program (`_counts.py`); the choices are cached and stored by `_choose.py`.
 """
 
 import math
@@ -206,7 +206,7 @@ class _Measurements:
         return self.tried[k]
 
     def measure(self, k: int, full: bool = False) -> Measured:
-        """The bytes of size `k` to compare with the limit (`_Counts.measure`),
+        """The bytes of size `k` to compare with the limit (`Counts.measure`),
         complete where within it or if `full`."""
         if k not in self.complete:
             found, done = self.counts.measure(self._chunk(k), self.limit, full)
