@@ -23,7 +23,7 @@ from filtered_chunk._budget import MemoryBudget
 from filtered_chunk._budget._keep import keep_if_fits
 from filtered_chunk._budget._program import Measured
 from filtered_chunk._budget._refusal import too_small
-from filtered_chunk._budget._search import _search, MAX_COMPILATIONS, Sizes
+from filtered_chunk._budget._search import _search, _secant, MAX_COMPILATIONS, Sizes
 
 from .budgets import (
     check_largest,
@@ -358,6 +358,31 @@ def test_search_does_not_assume_one_element_is_the_smallest(remainder):
     smallest = "at 2 elements per chunk (rows or columns, for a Jacobian), needs"
     assert f"{smallest} {bytes_at(2)} bytes" in message
     assert f"Give a budget of at least {bytes_at(2)} bytes" in message
+
+
+def test_a_guess_far_over_the_budget_is_not_checked_with_its_neighbour():
+    # Bytes that jump between 16 and 18 elements, as XLA's schedule of a staged
+    # derivative did (`tests/test_collectives_boundaries.py`'s six blocks under
+    # `jax.grad`): the line from 1 to 128 guesses 20, over the budget by more
+    # than the line through 1 and 20 falls to 19, so the next guess is on that
+    # line (16), not 19. The same size as measuring every size, one fewer.
+    n, limit = 256, 163_840
+
+    def bytes_at(k: int) -> int:
+        if k == 128:
+            return 603_032
+        return 83_544 + 3_500 * (k - 1) if k <= 16 else 173_496 + 3_000 * (k - 18)
+
+    sizes, measured = Sizes(n, "overlap"), []
+
+    def _bytes(k: int) -> int:
+        measured.append(k)
+        return bytes_at(k)
+
+    k = _secant(_bytes, sizes, limit, (1, 128), lambda: len(set(measured)))
+    everything = {sizes.at_most(s) for s in range(1, 129)}
+    assert k == max(s for s in everything if bytes_at(s) <= limit) == 16
+    assert set(measured) == {1, 128, 20, 16, 18}
 
 
 def _normalised_kernel(x: Any) -> Any:

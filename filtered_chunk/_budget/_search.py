@@ -73,6 +73,10 @@ def _segments(sizes: Sizes) -> list[tuple[int, int]]:
     return [(n, n), *one_step, (1, two_steps)]
 
 
+def _slope(bytes_at: Callable[[int], int], a: int, b: int) -> float:
+    return (bytes_at(b) - bytes_at(a)) / (b - a)
+
+
 def _secant(
     bytes_at: Callable[[int], int],
     sizes: Sizes,
@@ -84,20 +88,23 @@ def _secant(
     lo, hi = bracket
     moved = ""
     while sizes.above(lo) < hi and spent() < MAX_COMPILATIONS:
-        # A secant guess, checked with its neighbour; but bisect when the last
-        # two guesses moved the same end (the bytes are far from affine there).
+        # A secant guess, checked with its neighbour (one over the limit, where
+        # the line through `lo` and it says the neighbour fits; else the next
+        # guess, on that line, goes further); but bisect when the last two
+        # guesses moved the same end (the bytes are far from affine there).
         bisect = moved[-2:] in ("ll", "hh")
         if bisect:
             guess = (lo + hi) / 2
         else:
-            slope = (bytes_at(hi) - bytes_at(lo)) / (hi - lo)
+            slope = _slope(bytes_at, lo, hi)
             guess = lo + (limit - bytes_at(lo)) / slope if slope > 0 else hi - 1
         k = sizes.at_most(min(max(int(guess), sizes.above(lo)), hi - 1))
         k = max(k, sizes.above(lo))
         fits = bytes_at(k) <= limit
-        lo, hi, moved = (k, hi, moved + "l") if fits else (lo, k, moved + "h")
         neighbour = sizes.above(k) if fits else sizes.below(k)
-        if not bisect and lo < neighbour < hi and spent() < MAX_COMPILATIONS:
+        near = fits or bytes_at(k) - _slope(bytes_at, lo, k) * (k - neighbour) <= limit
+        lo, hi, moved = (k, hi, moved + "l") if fits else (lo, k, moved + "h")
+        if near and not bisect and lo < neighbour < hi and spent() < MAX_COMPILATIONS:
             fits = bytes_at(neighbour) <= limit
             lo, hi = (neighbour, hi) if fits else (lo, neighbour)
     return lo
