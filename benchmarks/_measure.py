@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from filtered_chunk._fusions import uncounted
+
 
 MIB = 2**20
 
@@ -34,31 +36,37 @@ class Compiled:
         return self.temp_bytes + self.output_bytes
 
 
-# XLA's CPU backend runs some fusions through YNNPACK (on by default), whose
-# scratch memory `memory_analysis()` does not count: `jax.vmap` of a whole MLP can
-# show no temporaries at all. `compile_fn(..., count_all=True)` reads the memory
-# of the same program compiled with those fusions off, where XLA counts every
-# buffer; the executable that runs (and is timed) keeps XLA's defaults. (A memory
-# budget counts the larger of the two: `Lowered.full` in
-# `filtered_chunk/_budget/_program.py`.)
+# XLA's CPU backend runs some fusions through YNNPACK (on by default), which keep
+# buffers `memory_analysis()` does not count: `jax.vmap` of a whole MLP can show no
+# temporaries at all. `compile_fn(..., count_all=True)` counts them as a memory
+# budget does (`Lowered.full` in `filtered_chunk/_budget/_program.py`): plus what
+# the fusions keep (`filtered_chunk/_fusions.py`) and, where one uses a product's
+# result further, at least the same program compiled with them off. The executable
+# that runs (and is timed) keeps XLA's defaults.
 _EVERY_BUFFER_COUNTED = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def compile_fn(fn: Callable[..., Any], *args: Any, count_all: bool = False) -> Compiled:
     """Compiles `jax.jit(fn)` for `args` with XLA's default flags and reads its
-    memory analysis (with `count_all`, that of the program compiled with
-    YNNPACK's fusions off on CPU; see above)."""
+    memory analysis (with `count_all`, every buffer counted on CPU; see above)."""
     lowered = jax.jit(fn).lower(*args)
     start = time.perf_counter()
     executable = lowered.compile()
     seconds = time.perf_counter() - start
     analysis = executable.memory_analysis()
-    if count_all and jax.default_backend() == "cpu":
-        options: Any = _EVERY_BUFFER_COUNTED
-        analysis = lowered.compile(compiler_options=options).memory_analysis()
+    temp, output = int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
+    found = uncounted(str(executable.as_text())) if count_all else None
+    if found is not None and jax.default_backend() == "cpu":
+        temp += found.bytes
+        if found.dots:
+            options: Any = _EVERY_BUFFER_COUNTED
+            off = lowered.compile(compiler_options=options).memory_analysis()
+            off_temp, off_output = off.temp_size_in_bytes, off.output_size_in_bytes
+            if off_temp + off_output > temp + output:
+                temp, output = int(off_temp), int(off_output)
     return Compiled(
-        temp_bytes=int(analysis.temp_size_in_bytes),
-        output_bytes=int(analysis.output_size_in_bytes),
+        temp_bytes=temp,
+        output_bytes=output,
         argument_bytes=int(analysis.argument_size_in_bytes),
         compile_seconds=seconds,
         executable=executable,

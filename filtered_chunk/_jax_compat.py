@@ -30,6 +30,8 @@ from jax._src.lax.lax import _convert_element_type
 from jax.interpreters import ad, mlir
 from jaxtyping import Array
 
+from ._fusions import Uncounted, uncounted
+
 
 # The oldest JAX supported: `pyproject.toml` states the same bound, so that pip
 # refuses an older one; this is for an install that bypassed it.
@@ -194,14 +196,13 @@ def equinox_runtime_message(e: BaseException) -> str | None:
 
 
 # XLA's CPU backend runs some fusions through YNNPACK (on by default since jax
-# 0.10), whose scratch memory `memory_analysis()` does not count: `jax.vmap` of an
-# MLP whose softmax is over the batch showed 64 bytes of temporaries and grew the
-# process by 466 MiB while it ran (498 MiB with the fusions off, where XLA counted
-# 512 MiB). Compiled with them off, XLA allocates, and counts, every buffer; but
-# the program with them on may count more of its own (a gradient of 29 elements:
-# 0.83 MB off, over 0.9 MB on), so the larger of the two counts.
+# 0.10), which keep buffers `memory_analysis()` does not count: `jax.vmap` of an
+# MLP whose softmax is over the batch showed 16 MiB and allocated 512 MiB while it
+# ran. `_fusions.py` reads what they keep off the compiled program; where a fusion
+# uses a dot's or a convolution's result further, it may keep more, and a budget
+# also counts the program compiled with the fusions off (`count_every_buffer`),
+# where XLA allocates, and counts, what its own emitters need.
 _EVERY_BUFFER_COUNTED = "xla_cpu_experimental_ynn_fusion_type"
-_YNN_FUSION = '"__ynn_fusion"'  # the fusion kind in the compiled HLO's text
 _counting = [True]  # until this XLA refuses the option
 
 
@@ -211,19 +212,18 @@ def own_count(compiled: Any) -> tuple[int, int]:
     return int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
 
 
-def fusions_uncounted(compiled: Any) -> bool:
-    """Whether XLA's own count of a compiled program can leave buffers out: on
-    CPU, where it has YNNPACK fusions (above)."""
-    if not _counting[0] or jax.default_backend() != "cpu":
-        return False
-    return _YNN_FUSION in str(compiled.as_text())
+def fusions_uncounted(compiled: Any) -> Uncounted | None:
+    """What XLA's own count of a compiled program leaves out: on CPU, what its
+    YNNPACK fusions keep (`_fusions.uncounted`); `None` where it has none."""
+    if jax.default_backend() != "cpu":
+        return None
+    return uncounted(str(compiled.as_text()))
 
 
 def count_every_buffer(lowered: Any) -> tuple[int, int] | None:
     """On CPU, the `(temporary, output)` bytes of `lowered` compiled with XLA's
-    YNNPACK fusions off, where XLA allocates and counts every buffer (above);
-    `None` elsewhere, or where this XLA lacks the option. A budget counts the
-    larger of these and the program's own, as it runs."""
+    YNNPACK fusions off, where XLA allocates and counts what its own emitters
+    need (above); `None` elsewhere, or where this XLA lacks the option."""
     if not _counting[0] or jax.default_backend() != "cpu":
         return None
     options: Any = {_EVERY_BUFFER_COUNTED: ""}

@@ -4,6 +4,7 @@ search (`jax.jit` of the public transform at a fixed chunk size, compiled, read 
 size (the largest that fits, or on CPU one capped by the cache)."""
 
 import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -16,20 +17,30 @@ import numpy as np
 import filtered_chunk as fc
 from filtered_chunk._budget import _model
 from filtered_chunk._budget._search import MAX_COMPILATIONS
+from filtered_chunk._fusions import uncounted
 
 
 def memory_analysis(fn: Callable[..., Any], *args: Any) -> Any:
     """XLA's memory analysis of `fn` compiled for `args`, with its non-array
-    arguments (Python scalars) fixed, as a chunked call runs it; on CPU with
-    every buffer counted, as a budget counts them: where compiled with XLA's
-    YNNPACK fusions off (whose scratch memory `memory_analysis()` does not see)
-    the program counts more, that analysis."""
+    arguments (Python scalars) fixed, as a chunked call runs it; on CPU with every
+    buffer counted, as a budget counts them: plus what its YNNPACK fusions keep
+    (`filtered_chunk/_fusions.py`, checked against what a run allocates in
+    `test_budget_fusions.py`), and where one uses a product's result further at
+    least the analysis of the program compiled with those fusions off."""
     dynamic, static = eqx.partition(args, eqx.is_array)
     program = lambda _dynamic: fn(*eqx.combine(_dynamic, static))  # noqa: E731
     lowered = jax.jit(program).lower(dynamic)
     compiled = lowered.compile()
-    analyses = [compiled.memory_analysis()]
-    if jax.default_backend() == "cpu" and '"__ynn_fusion"' in str(compiled.as_text()):
+    own: Any = compiled.memory_analysis()
+    found = uncounted(str(compiled.as_text()))
+    if jax.default_backend() != "cpu" or found is None:
+        return own
+    kept = types.SimpleNamespace(
+        temp_size_in_bytes=own.temp_size_in_bytes + found.bytes,
+        output_size_in_bytes=own.output_size_in_bytes,
+    )
+    analyses: list[Any] = [kept]
+    if found.dots:
         options: Any = {"xla_cpu_experimental_ynn_fusion_type": ""}
         analyses.append(lowered.compile(compiler_options=options).memory_analysis())
     total = lambda a: a.temp_size_in_bytes + a.output_size_in_bytes  # noqa: E731

@@ -1,7 +1,8 @@
 """A budget counts every buffer of the program that runs: on CPU, XLA's YNNPACK
-fusions keep scratch memory that `memory_analysis()` does not report, so the
-budget also reads the program compiled with them off (`Lowered.full`); and it
-counts each size only as far as its comparison with the budget needs."""
+fusions keep buffers that `memory_analysis()` does not report, so the budget
+adds what they keep and, where one uses a product's result further, also reads
+the program compiled with them off (`Lowered.full`); and it counts each size only
+as far as its comparison with the budget needs."""
 
 from typing import Any
 
@@ -20,9 +21,9 @@ from .budgets import compiled_bytes, derivative_bytes
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA's CPU fusions")
 def test_budget_counts_the_buffers_that_cpu_fusions_hide(getkey):
     # XLA's CPU backend runs a per-element loss of an MLP in a YNNPACK fusion
-    # whose scratch `memory_analysis()` does not count (no temporaries at all
-    # for the whole batch). The budget counts every buffer, as compiled with
-    # those fusions off: it splits the batch, and the program it runs fits.
+    # whose buffers `memory_analysis()` does not count (no temporaries at all
+    # for the whole batch). The budget counts every buffer (`budgets.py`
+    # counts the same way): it splits the batch, and the program it runs fits.
     w1 = jr.normal(getkey(), (16, 256), jnp.float32)
     w2 = jr.normal(getkey(), (256, 16), jnp.float32)
     xs = jr.normal(getkey(), (2048, 16), jnp.float32)

@@ -184,7 +184,7 @@ def test_nothing_fits_says_what_the_smallest_chunk_needs(getkey):
         ):
             below(x)
     # The whole batch only (if not cached), with every buffer counted: on CPU
-    # compiled once more where it has YNNPACK fusions.
+    # compiled once more where a YNNPACK fusion uses a product's result further.
     assert len(compiles) <= 2
     # At exactly that many bytes, one element per chunk is chosen.
     exact = fc.MemoryBudget(needs)
@@ -220,8 +220,8 @@ def test_repeated_calls_compile_nothing_for_the_search(getkey):
     # One more where the speed model caps the size below the largest that fits.
     capped = choice.chunk_size < choice.largest
     assert 3 <= len(choice.tried) <= 8 + capped
-    # On CPU a program with YNNPACK fusions compiles once more, to count every
-    # buffer (`Lowered.full`).
+    # On CPU a program whose YNNPACK fusion uses a product's result further
+    # compiles once more, to count every buffer (`Lowered.full`).
     assert len(choice.tried) <= len(first) <= 2 * len(choice.tried)
     with count_compiles() as again:
         assert fc.suggest_chunk_size(chunked, x) == choice

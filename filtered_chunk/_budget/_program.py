@@ -290,12 +290,17 @@ class Lowered:
         return self._every
 
     def full(self) -> Measured:
-        """Its bytes with every buffer counted: the program that runs, and where
-        XLA's count of it can leave buffers out (`fusions_uncounted`) the larger
-        with `every_buffer()` (each can count more)."""
+        """Its bytes with every buffer counted: XLA's count of the program that
+        runs, plus on CPU what its YNNPACK fusions keep (`fusions_uncounted`);
+        where one uses a dot's or a convolution's result further, at least
+        `every_buffer()`."""
         own = self.compiled()[0]
-        every = self.every_buffer() if fusions_uncounted(self._compiled) else None
-        return own if every is None or own.total >= every.total else every
+        found = fusions_uncounted(self._compiled)
+        if found is None:
+            return own
+        kept = dataclasses.replace(own, temp=own.temp + found.bytes)
+        every = self.every_buffer() if found.dots else None
+        return kept if every is None or kept.total >= every.total else every
 
 
 def linearisation(program: ChunkedProgram, k: int | None) -> Measured | None:
