@@ -38,32 +38,38 @@ class Compiled:
 
 # XLA's CPU backend runs some fusions through YNNPACK (on by default), which keep
 # buffers `memory_analysis()` does not count: `jax.vmap` of a whole MLP can show no
-# temporaries at all. `compile_fn(..., count_all=True)` counts them as a memory
-# budget does (`Lowered.full` in `filtered_chunk/_budget/_program.py`): plus what
-# the fusions keep (`filtered_chunk/_fusions.py`) and, where one uses a product's
-# result further, at least the same program compiled with them off. The executable
-# that runs (and is timed) keeps XLA's defaults.
-_EVERY_BUFFER_COUNTED = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# temporaries at all. `compile_fn` reads, by `count`:
+# - `"own"`: XLA's count of the program that runs;
+# - `"budget"`: every buffer, as a memory budget counts them (`Lowered.full` in
+#   `filtered_chunk/_budget/_program.py`): plus what the fusions keep
+#   (`filtered_chunk/_fusions.py`) and, where one uses a product's result further,
+#   at least the same program compiled with them off;
+# - `"fusions off"`: the same program compiled with the fusions off alone, where
+#   XLA counts what its own emitters need: the figures `collectives.py`,
+#   `dp_sgd.py` and `layers.py` publish (it can be below `"own"`).
+# The executable that runs (and is timed) keeps XLA's defaults.
+_FUSIONS_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def compile_fn(fn: Callable[..., Any], *args: Any, count_all: bool = False) -> Compiled:
+def compile_fn(fn: Callable[..., Any], *args: Any, count: str = "own") -> Compiled:
     """Compiles `jax.jit(fn)` for `args` with XLA's default flags and reads its
-    memory analysis (with `count_all`, every buffer counted on CPU; see above)."""
+    memory analysis, as `count` says (above; the last two on CPU only)."""
     lowered = jax.jit(fn).lower(*args)
     start = time.perf_counter()
     executable = lowered.compile()
     seconds = time.perf_counter() - start
     analysis = executable.memory_analysis()
     temp, output = int(analysis.temp_size_in_bytes), int(analysis.output_size_in_bytes)
-    found = uncounted(str(executable.as_text())) if count_all else None
-    if found is not None and jax.default_backend() == "cpu":
+    cpu = jax.default_backend() == "cpu"
+    found = uncounted(str(executable.as_text())) if cpu and count == "budget" else None
+    if found is not None:
         temp += found.bytes
-        if found.dots:
-            options: Any = _EVERY_BUFFER_COUNTED
-            off = lowered.compile(compiler_options=options).memory_analysis()
-            off_temp, off_output = off.temp_size_in_bytes, off.output_size_in_bytes
-            if off_temp + off_output > temp + output:
-                temp, output = int(off_temp), int(off_output)
+    if cpu and (count == "fusions off" or (found is not None and found.dots)):
+        options: Any = _FUSIONS_OFF
+        off = lowered.compile(compiler_options=options).memory_analysis()
+        off_temp, off_output = off.temp_size_in_bytes, off.output_size_in_bytes
+        if count == "fusions off" or off_temp + off_output > temp + output:
+            temp, output = int(off_temp), int(off_output)
     return Compiled(
         temp_bytes=temp,
         output_bytes=output,

@@ -41,7 +41,7 @@ XLA's flags are its defaults, as users run it. XLA's CPU backend runs a whole ML
 inside one YNNPACK fusion, whose scratch memory `memory_analysis()` does not count
 (`jax.vmap` of the softmax workload shows no temporaries): the memory columns are
 those of each program compiled with YNNPACK's fusions off
-(`_measure.compile_fn(..., count_all=True)`), so that both sides show their
+(`_measure.compile_fn(..., count="fusions off")`), so that both sides show their
 working sets; the program timed, and the one a budget chooses, are the default ones.
 """
 
@@ -181,7 +181,7 @@ def _measure(name, mode, quick):
             fn = lambda _p, _xx, _run=run: _inexact_grad(_loss(_run), _p, _xx)
         else:
             fn = lambda _p, _xx, _run=run: _run(_xx, _p)
-        compiled = compile_fn(fn, params, _x, count_all=True)
+        compiled = compile_fn(fn, params, _x, count="fusions off")
         seconds = median_seconds(compiled.executable, params, _x, repeats=3)
         rows[label] = (compiled, seconds)
     out_bytes = rows["staged"][0].output_bytes
@@ -276,7 +276,7 @@ def _networks(name, depth, mode, quick):
             return _fn
         return jax.grad(lambda _p, _x: jnp.sum(_fn(_p, _x)[0] ** 2))
 
-    vmap = compile_fn(run(None, None), params, x, count_all=True)
+    vmap = compile_fn(run(None, None), params, x, count="fusions off")
     budgets = [vmap.temp_plus_output]
     if mode == "grad":
         # Half: every pass's boundaries do not fit, every few passes' may.
@@ -287,7 +287,7 @@ def _networks(name, depth, mode, quick):
     for chunk_size, keep, budget in settings:
         fn = run(chunk_size, keep)
         start = time.perf_counter()
-        compiled = compile_fn(fn, params, x, count_all=True)
+        compiled = compile_fn(fn, params, x, count="fusions off")
         first = time.perf_counter() - start
         outputs.append(compiled.executable(params, x))
         used.append(compiled.temp_plus_output)

@@ -34,7 +34,7 @@ the same round's ratio. On a shared machine read the ratios as +-10-30%.
 XLA's flags are its defaults, as users run it (the table says what the
 environment set). The memory is that of each program compiled with XLA's
 YNNPACK fusions off, whose scratch `memory_analysis()` does not count
-(`_measure.compile_fn(..., count_all=True)`); the program timed is the default one.
+(`_measure.compile_fn(..., count="fusions off")`); the program timed is the default one.
 """
 
 import argparse
@@ -215,7 +215,7 @@ def _max_rel_error(out: Any, ref: Any) -> float:
 def _compile(name: str, chunk_size: int, args: tuple[Any, ...]) -> tuple[Row, Any]:
     """`name`'s memory row and executable, or a row saying why it is missing."""
     try:
-        compiled = compile_fn(METHODS[name](chunk_size), *args, count_all=True)
+        compiled = compile_fn(METHODS[name](chunk_size), *args, count="fusions off")
     except (ModuleNotFoundError, TypeError) as error:
         reason = _unavailable(name, error)
         if reason is None:
@@ -255,7 +255,7 @@ def measure(
             row["time_s"] = statistics.median(own)
             row["times_s"] = [round(t, 6) for t in own]
             row["time_vs_vmap"] = statistics.median(a / b for a, b in zip(own, base))
-    one_chunk = compile_fn(_vmap(chunk_size), *_args(chunk_size), count_all=True)
+    one_chunk = compile_fn(_vmap(chunk_size), *_args(chunk_size), count="fusions off")
     return {
         "rows": rows,
         "one_chunk_temp_bytes": one_chunk.temp_bytes,

@@ -81,7 +81,7 @@ def _batchnorm(depth: int, quick: bool) -> tuple[Any, tuple[Any, ...], str]:
         budget = "1MiB" if quick else "8MiB"
         size = budget
     else:
-        whole = compile_fn(step(None), params, x, count_all=True).temp_plus_output
+        whole = compile_fn(step(None), params, x, count="budget").temp_plus_output
         size = whole // 4
         budget = f"{size / MIB:.1f} MiB (a quarter of `jax.vmap`'s)"
     return step(fc.MemoryBudget(size)), (params, x), budget

@@ -25,7 +25,7 @@ kind and mode once (the median of three calls); a program's ratio is the
 median over rounds of its time over `jax.vmap`'s in the same round. Memory:
 XLA's temporaries plus outputs from `memory_analysis()`, of the program compiled
 with YNNPACK's fusions off, whose scratch it does not count
-(`_measure.compile_fn(..., count_all=True)`). XLA's flags are its defaults
+(`_measure.compile_fn(..., count="fusions off")`). XLA's flags are its defaults
 (`XLA_FLAGS` is not set here); the table's header says what the environment set.
 """
 
@@ -201,7 +201,8 @@ def _measure(name, kind, mode, n, sizes, rounds, quick):
     fun, params, x = kind(jr.key(0), n)
     maps, params = _programs(fun, params, x, sizes, mode)
     compiled = {
-        label: compile_fn(f, params, x, count_all=True) for label, f in maps.items()
+        label: compile_fn(f, params, x, count="fusions off")
+        for label, f in maps.items()
     }
     expected = compiled["jax.vmap"].executable(params, x)
     for label, c in compiled.items():

@@ -83,6 +83,13 @@ def test_matrix_products_fused_together_keep_what_they_pass():
     assert found.dots and found.bytes >= 2 * 4096 * 256 * 4
     alone = uncounted(str(_compiled(_mlp, *shapes).as_text()))
     assert alone is None or (not alone.dots and alone.bytes == 0)
+    # A fusion's buffers are freed once it has run: two such fusions one after
+    # the other keep what one keeps.
+    one = lambda x, *w: jax.nn.softmax(_mlp(x, *w), 0)  # noqa: E731
+    two = lambda x, y, *w: (one(x, *w), one(y, *w))  # noqa: E731
+    each = uncounted(str(_compiled(one, *shapes).as_text()))
+    both = uncounted(str(_compiled(two, shapes[0], *shapes).as_text()))
+    assert each is not None and both is not None and both.bytes == each.bytes
 
 
 def test_a_budget_over_a_streamed_kernel_runs_the_chunks_that_fit():
@@ -138,6 +145,12 @@ cases = {{
     "row softmax": (lambda x: jax.nn.softmax(jnp.tanh(x), 1), x),
     "mlp, batch softmax": (lambda *a: jax.nn.softmax(_mlp(*a), 0), x16, w1, w2, w3),
     "mlp, summed": (lambda *a: jnp.sum(_mlp(*a), 1), x16, w1, w2, w3),
+    "two mlps, one after the other": (
+        lambda x, y, *w: (
+            jax.nn.softmax(_mlp(x, *w), 0), jax.nn.softmax(_mlp(y, *w), 0)
+        ),
+        x16, -x16, w1, w2, w3,
+    ),
 }}
 out = {{}}
 for name, (f, *args) in cases.items():
