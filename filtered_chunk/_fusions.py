@@ -29,6 +29,7 @@ are, keeps nothing beyond XLA's count.
 """
 
 import dataclasses
+import functools as ft
 import re
 
 
@@ -118,6 +119,7 @@ def _kept(ops: dict[str, _Op]) -> int:
     def made_inside(name: str) -> bool:
         return name in ops and ops[name].opcode not in _MADE_OUTSIDE
 
+    @ft.cache  # a value can reach a user by many paths
     def broadcast_back(name: str) -> bool:
         for user in users.get(name, []):
             opcode = ops[user].opcode

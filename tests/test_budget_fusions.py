@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import filtered_chunk as fc
-from filtered_chunk._fusions import _bytes, uncounted
+from filtered_chunk._fusions import _bytes, Uncounted, uncounted
 
 from .budgets import compiled_bytes
 from .helpers import count_compiles
@@ -191,3 +191,37 @@ def test_what_a_run_allocates_is_counted():
     # Where a fusion keeps what XLA leaves out (the 64 MiB `tanh`), a run shows it.
     allocated, counted, temp = found["batch softmax"]
     assert allocated > temp + 32 * MiB
+
+
+def test_many_paths_through_a_fusion_are_read_quickly():
+    # After a reduction over the leading axis, 40 levels of
+    # `y = sin(y) * cos(y)`: 2**40 paths to the end, where the reading looks for
+    # a broadcast back; each value is followed once.
+    lines = [
+        "%p = f32[4096,256]{1,0} parameter(0)",
+        "%t = f32[4096,256]{1,0} tanh(%p)",
+        "%r = f32[256]{0} reduce(%t, %c), dimensions={0}",
+    ]
+    previous = "r"
+    for i in range(40):
+        lines += [
+            f"%s{i} = f32[256]{{0}} sine(%{previous})",
+            f"%k{i} = f32[256]{{0}} cosine(%{previous})",
+            f"%m{i} = f32[256]{{0}} multiply(%s{i}, %k{i})",
+        ]
+        previous = f"m{i}"
+    lines[-1] = "ROOT " + lines[-1]
+    text = "\n".join(
+        [
+            "%fused (p: f32[4096,256]) -> f32[256] {",
+            *("  " + line for line in lines),
+            "}",
+            "",
+            "ENTRY %main (x: f32[4096,256]) -> f32[256] {",
+            "  ROOT %f = f32[256]{0} fusion(%x), kind=kCustom, calls=%fused, "
+            'backend_config={"kind":"__ynn_fusion"}',
+            "}",
+        ]
+    )
+    # The reduction's result only: it is not broadcast back.
+    assert uncounted(text) == Uncounted(256 * 4, False)
