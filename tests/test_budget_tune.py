@@ -205,6 +205,25 @@ def test_ladder(remainder, lo, hi):
         assert ladder[0] <= 2 * lo and len(ladder) >= 3
 
 
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+@pytest.mark.parametrize(
+    ("k", "largest", "n"), ((41, 512, 1024), (1, 1, 1), (1, 8, 8), (7, 1000, 1000))
+)
+def test_descent_times_powers_of_two(remainder, k, largest, n):
+    """The default's descent: the model's size and the powers of two within three
+    doublings of it, as sizes that run (a matrix product over the chunk runs
+    fastest at a power of two: workload (k) of `benchmarks/budget.py`)."""
+    sizes = search.Sizes(n, remainder)
+    near = timing.neighbours(k, largest, sizes.at_most)
+    assert near == sorted(set(near)) and sizes.at_most(k) in near
+    assert all(sizes.at_most(s) == s and 1 <= s <= largest for s in near)
+    powers = [2**j for j in range(12) if k <= 8 * 2**j and 2**j <= 8 * k]
+    assert {sizes.at_most(min(p, largest)) for p in powers} <= set(near)
+    assert len(near) <= len(powers) + 1
+    if (k, largest, n) == (41, 512, 1024):  # (k)'s: 64 is one step from 41
+        assert near == [8, 16, 32, 41, 64, 128, 256]
+
+
 def test_tune_argument_is_checked():
     with pytest.raises(TypeError, match="tune"):
         fc.MemoryBudget("1MiB", tune="yes")  # pyright: ignore[reportArgumentType]

@@ -89,7 +89,8 @@ class MemoryBudget(eqx.Module):
     - `tune`: keyword-only. How to choose among the sizes that fit:
         - `None` (the default): on CPU, by timing them where that is cheap: from
           the speed model's size (see `ChunkSizeChoice`'s `model`), a descent
-          along that size doubled and halved up to three times either way, each
+          along that size and the powers of two within three doublings of it
+          (a matrix product over the chunk runs fastest at one), each
           measured to fit, compiled, and run on random inputs of the call's
           shapes (its own concrete arrays where it has them): the larger
           neighbour of the fastest so far first, then the smaller, until both
