@@ -168,8 +168,9 @@ def neighbours(k: int, largest: int, at_most: Callable[[int], int]) -> list[int]
     Powers of two rather than `k` doubled and halved: where the chunk is a
     dimension of a matrix product, XLA's CPU kernels run it fastest at a power of
     two. Workload (k) of `benchmarks/budget.py` (each query's kernel row against
-    16,384 points), `jax.vmap` per element: 35 us at 64, 51 at 63, 46 at 65, 48
-    at 48; the model's size there is 41, whose doublings never reach 64."""
+    16,384 points), `jax.vmap` per element in four processes: 30-35 us at 64,
+    39-52 at 63, 44-54 at 41; the model's size there is 41, whose doublings
+    never reach 64."""
     powers = [2**j for j in range(max(k, 1).bit_length() + 4)]
     steps = [k, *(p for p in powers if k <= 8 * p and p <= 8 * k)]
     return sorted({at_most(max(1, min(largest, s))) for s in steps})
