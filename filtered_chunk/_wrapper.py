@@ -27,11 +27,12 @@ from ._budget import (
     choose_chunk_size,
     ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,
+    Lowered,
     mark,
     measure_bytes,
     MemoryBudget,
     normalise_chunk_size,
-    program_bytes,
+    program_at,
     refined,
     Staged,
 )
@@ -173,11 +174,11 @@ class Chunked(eqx.Module, Restrictable):
             refined, batch_size=size, remainder=o.remainder, keep=keep, staged=staged
         )
 
-        def _confirm(choice: ChunkSizeChoice) -> int:
-            # The bytes of the program a choice runs, as compiled.
+        def _program(choice: ChunkSizeChoice) -> Lowered:
+            # The program a choice runs, lowered.
             k = None if choice.chunk_size >= size else choice.chunk_size
             kept = (self._keeping(choice.keep_boundaries), bound.tree)
-            return program_bytes(_run, kept, k)
+            return program_at(_run, kept, k)
 
         return choose_chunk_size(
             Budgeted(
@@ -189,7 +190,7 @@ class Chunked(eqx.Module, Restrictable):
                 options=options,
                 api=o.api,
                 refine=refine,
-                confirm=_confirm,
+                program=_program,
             )
         )
 

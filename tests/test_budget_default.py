@@ -128,12 +128,12 @@ def test_a_later_process_reuses_the_stored_choice(default, tmp_path):
     assert first.compilations >= 4 and first.seconds > 0
     (entry,) = (tmp_path / "choices").glob("*.json")
     name = entry.name.removesuffix(".json")
-    assert store.read(name) == (first, _bytes_at(first.chunk_size))
+    assert _entry(name) == (first, _bytes_at(first.chunk_size))
     _forget()
     second = _choose(budget)
     assert second.stored and len(default) == 1  # read, not timed
-    # The whole choice, but for its cost: one compilation, its own program's.
-    assert second.compilations == 1 and second.seconds < first.seconds
+    # The whole choice, but for its cost: its program lowered, not compiled.
+    assert second.compilations == 0 and second.seconds < first.seconds
     assert dataclasses.replace(second, stored=False, compilations=0, seconds=0.0) == (
         dataclasses.replace(first, compilations=0, seconds=0.0)
     )
@@ -147,9 +147,9 @@ def test_a_later_process_reuses_the_stored_choice(default, tmp_path):
     assert model_choice.times == () and len(default) == 1
     _forget()
     again = _choose(budget, tune=False)
-    assert again.stored and again.compilations == 1
+    assert again.stored and again.compilations == 0
     assert dataclasses.replace(again, seconds=0.0) == dataclasses.replace(
-        model_choice, stored=True, compilations=1, seconds=0.0
+        model_choice, stored=True, compilations=0, seconds=0.0
     )
     # Another budget is another entry.
     _forget()
@@ -157,37 +157,56 @@ def test_a_later_process_reuses_the_stored_choice(default, tmp_path):
     assert len(list((tmp_path / "choices").glob("*.json"))) == 3
 
 
+def _entry(name: str) -> tuple[fc.ChunkSizeChoice, int] | None:
+    """The choice stored under `name` and its program's bytes."""
+    found = store.read(name)
+    return None if found is None else (found[0], found[1].bytes)
+
+
 def test_a_stored_choice_is_checked(default, tmp_path):
-    """A stored choice whose program needs other bytes now (an entry from another
-    version of `fun`, or edited by hand), or for another budget, is searched
-    again; so is a file that is not an entry."""
+    """A stored choice whose program is lowered otherwise now (another version of
+    this library, or of a rule of `fun`'s that its traced program does not
+    show) is taken where that program compiles to the bytes stored (the entry
+    then holds the new hash), and searched again where it does not; so is a
+    choice edited by hand, one for another budget, and a file that is not an
+    entry."""
     budget = _bytes_at(None) // 2
     first = _choose(budget)
     (entry,) = (tmp_path / "choices").glob("*.json")
     name = entry.name.removesuffix(".json")
-    checked = _bytes_at(first.chunk_size)
-    store.write(name, first, checked - 1)
+    found = store.read(name)
+    assert found is not None and len(found[1].fingerprint) == 64
+    right, other = found[1], store.Program(found[1].bytes, "0" * 64)
+    # Lowered otherwise, the same bytes: taken, compiled once, the hash renewed.
+    store.write(name, first, other)
+    _forget()
+    taken = _choose(budget)
+    assert taken.stored and taken.compilations == 1 and store.read(name)[1] == right  # pyright: ignore[reportOptionalSubscript]
+    # Lowered otherwise, other bytes: searched, and overwritten.
+    store.write(name, first, other._replace(bytes=right.bytes - 1))
     _forget()
     choice = _choose(budget)
     assert not choice.stored and choice.compilations >= 4
     _check_timed(choice)
-    # Overwritten by the new search.
-    assert store.read(name) == (choice, _bytes_at(choice.chunk_size))
-    # The same for the model's choice (which times nothing: quicker).
+    assert _entry(name) == (choice, _bytes_at(choice.chunk_size))
+    # Edited: the size (its program is another), the budget, the boundaries.
     model_choice = _choose(budget, tune=False)
     (entry,) = set((tmp_path / "choices").glob("*.json")) - {entry}
     name = entry.name.removesuffix(".json")
+    stored = store.read(name)
+    assert stored is not None
     for wrong in (
         dataclasses.replace(model_choice, chunk_size=_N),
         dataclasses.replace(model_choice, budget=budget + 1),
         dataclasses.replace(model_choice, keep_boundaries=-3),
     ):
-        store.write(name, wrong, _bytes_at(model_choice.chunk_size))
+        store.write(name, wrong, stored[1])
         _forget()
         again = _choose(budget, tune=False)
         assert not again.stored and again.compilations >= 4
-        assert store.read(name) == (again, _bytes_at(again.chunk_size))
-    for text in ("not json", '{"choice": {"chunk_size": 3}, "checked": 1}', "[]"):
+        assert _entry(name) == (again, _bytes_at(again.chunk_size))
+    not_entries = ("not json", "[]", '{"choice": {"chunk_size": 3}, "checked": 1}')
+    for text in (*not_entries, entry.read_text().replace('"fingerprint"', '"f"')):
         entry.write_text(text)
         _forget()
         assert not _choose(budget, tune=False).stored

@@ -12,10 +12,11 @@ free memory; `_marks.py` marks each call's choice in its program.
 from ._choose import Budgeted as Budgeted, choose_chunk_size as choose_chunk_size
 from ._counts import (
     measure_bytes as measure_bytes,
-    program_bytes as program_bytes,
+    program_at as program_at,
 )
 from ._keep import refined as refined, Staged as Staged
 from ._marks import mark as mark, marked_in as marked_in
+from ._program import Lowered as Lowered
 from ._values import (
     ChunkSizeChoice as ChunkSizeChoice,
     ChunkSizeSpec as ChunkSizeSpec,

@@ -1,6 +1,6 @@
 """A memory budget's choice for one call: the same in every process
-(`_hosts.py`), cached in memory, else read from disk where its program still needs
-the bytes stored (`_store.py`), else searched (`_search.py`) and refined (the
+(`_hosts.py`), cached in memory, else read from disk where its program is still
+the one stored (`_store.py`), else searched (`_search.py`) and refined (the
 boundaries a staged call keeps: `_keep.py`), then stored.
 """
 
@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from . import _hosts, _model, _store, _timing
 from ._counts import remember
-from ._program import ChunkedProgram, compilations
+from ._program import ChunkedProgram, compilations, Lowered
 from ._search import search
 from ._values import ChunkSizeChoice, MemoryBudget
 
@@ -26,8 +26,8 @@ class Budgeted:
     """A budgeted call: `run(chunk_size, tree)` (`None`: the whole batch of
     `batch_size`) for `budget`; `options`, what else changes the program;
     `refine`, what `_search.search`'s choice becomes (staged collectives keeping
-    boundaries: `_keep.refined`); `confirm`, the bytes of the program a choice
-    runs, as compiled (`program_bytes`)."""
+    boundaries: `_keep.refined`); `program`, the program a choice runs, lowered
+    (`_counts.program_at`)."""
 
     run: Callable[[int | None, Any], Any]
     tree: PyTree[Any]
@@ -37,14 +37,14 @@ class Budgeted:
     options: Hashable
     api: str
     refine: Callable[[ChunkSizeChoice], ChunkSizeChoice]
-    confirm: Callable[[ChunkSizeChoice], int]
+    program: Callable[[ChunkSizeChoice], Lowered]
 
 
 def choose_chunk_size(call: Budgeted) -> ChunkSizeChoice:
     """The chunk size for `call`, as `_search.search` chooses it, then refined.
-    Cached on the unchunked program, traced once; stored on disk with the bytes
-    of the program it runs as compiled, and taken by a later process where that
-    is still so; the same in every process (`_hosts.py`)."""
+    Cached on the unchunked program, traced once; stored on disk with the
+    program it runs, and taken by a later process where that is still its
+    program (`_store.py`); the same in every process (`_hosts.py`)."""
     budget = call.budget
     if budget.tune and _hosts.several():
         raise ValueError(
@@ -69,7 +69,7 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     base, layers = program.key()
     reverse = any(layer.kind == "reverse" for layer in layers)
     # What a stored choice is keyed by: no callable's identity, which no later
-    # process shares (its bytes are checked when it is read).
+    # process shares (its program is checked when it is read).
     stored_as = None if base is None else (base[0], *base[2:])
     stored_as = (stored_as, batch_size, call.remainder, options, limit, bool(timing))
     machine = (_model.backend(), _model.cache_bytes())  # the model reads
@@ -84,16 +84,16 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     found = _store.read(name)
     # `tune=True` times an untimed choice (the bound left no time) anew.
     if found is not None:
-        chosen, checked = found
+        chosen, stored = found
         if (
             chosen.budget == limit
             and (timing != "always" or chosen.times)
-            and _still(call.confirm, chosen, checked)
+            and _still(call.program, chosen, stored, name)
         ):
             chosen = dataclasses.replace(chosen, stored=True, **cost())
             remember(_chosen, choice_key, chosen)
             return chosen
-    searched, checked, storable = search(
+    searched, lowered, storable = search(
         program,
         base,
         batch_size=batch_size,
@@ -106,21 +106,37 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     )
     chosen = call.refine(searched)
     if (chosen.chunk_size, chosen.bytes) != (searched.chunk_size, searched.bytes):
-        checked = call.confirm(chosen)  # another program, which `refine` measured
+        lowered = call.program(chosen)  # another program, which `refine` measured
     chosen = dataclasses.replace(chosen, **cost())
-    if storable:
-        _store.write(name, chosen, checked)
+    if storable and name is not None and _store.directory() is not None:
+        _store.write(name, chosen, _program(lowered))
     remember(_chosen, choice_key, chosen)
     return chosen
 
 
+def _program(lowered: Lowered) -> _store.Program:
+    return _store.Program(lowered.compiled()[0].total, lowered.fingerprint())
+
+
 def _still(
-    confirm: Callable[[ChunkSizeChoice], int], chosen: ChunkSizeChoice, checked: int
+    program: Callable[[ChunkSizeChoice], Lowered],
+    chosen: ChunkSizeChoice,
+    stored: _store.Program,
+    name: str | None,
 ) -> bool:
-    """Whether the program of a stored choice needs the bytes stored; not where an
-    entry edited by hand names a program that cannot be made (a search then
-    raises whatever the call itself raises)."""
+    """Whether a stored choice's program is still the one stored: lowered the
+    same (`_store.py`: no compilation), or else compiled to the bytes stored
+    (then stored with its new hash). Not where an entry edited by hand names a
+    program that cannot be made (a search then raises whatever the call itself
+    raises)."""
     try:
-        return confirm(chosen) == checked
+        lowered = program(chosen)
+        if lowered.fingerprint() == stored.fingerprint:
+            return True
+        now = _program(lowered)
     except Exception:
         return False
+    if now.bytes != stored.bytes:
+        return False
+    _store.write(name, chosen, now)
+    return True

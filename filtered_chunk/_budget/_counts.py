@@ -110,10 +110,9 @@ def measure_bytes(
     return _counts_of(run, tree, k).measure(k, limit)[0].total
 
 
-def program_bytes(
+def program_at(
     run: Callable[[int | None, Any], Any], tree: PyTree[Any], k: int | None
-) -> int:
-    """The bytes of `run(k, tree)` as XLA counts them for the program that runs
-    (under reverse mode, its pullback): the one program a stored choice is
-    checked by, compiled once."""
-    return _counts_of(run, tree, k).lowered_at(k).compiled()[0].total
+) -> Lowered:
+    """`run(k, tree)` lowered as the program that runs (under reverse mode, its
+    pullback): the one program a stored choice is checked by."""
+    return _counts_of(run, tree, k).lowered_at(k)

@@ -17,6 +17,7 @@ elements per chunk where `jax.jit` of `jax.grad` needs 1,044,216 (issue 23, item
 
 import dataclasses
 import functools as ft
+import hashlib
 import math
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -267,6 +268,11 @@ class Lowered:
         global _compilations
         _compilations += not self._counted
         self._counted = True
+
+    def fingerprint(self) -> str:
+        """A hash of its text as lowered: on one machine and the same versions and
+        flags (`_store.machine`), XLA compiles the same text to the same bytes."""
+        return hashlib.sha256(self.lowered.as_text().encode()).hexdigest()
 
     def compiled(self) -> tuple[Measured, Callable[[], Any]]:
         """Its bytes as XLA counts them for the program that runs, and a run of it

@@ -20,7 +20,7 @@ from typing import Any
 from .._loop import Steps
 from . import _model, _timing
 from ._counts import Counts
-from ._program import argument_bytes, ChunkedProgram, Measured
+from ._program import argument_bytes, ChunkedProgram, Lowered, Measured
 from ._refusal import too_small
 from ._values import ChunkSizeChoice, MemoryBudget
 
@@ -249,12 +249,12 @@ def search(
     reverse: bool,
     api: str,
     budget: MemoryBudget,
-) -> tuple[ChunkSizeChoice, int, bool]:
+) -> tuple[ChunkSizeChoice, Lowered, bool]:
     """The chunk size for `program` (keyed `base` in the in-memory caches): the
     largest measured to fit `limit`, or the speed model's if smaller and fitting,
-    or (`timing`: `_timing.mode`) the fastest of a few that fit; the bytes of its
-    program as compiled (`program_bytes`); and whether a later process may reuse
-    the choice (`_timed`)."""
+    or (`timing`: `_timing.mode`) the fastest of a few that fit; its program,
+    lowered (`_counts.program_at`); and whether a later process may reuse the
+    choice (`_timed`)."""
     start = time.perf_counter()
     m = _Measurements(program, base, batch_size, limit, reverse, timing)
     sizes = Sizes(batch_size, remainder)
@@ -291,8 +291,7 @@ def search(
         working_set=tuple((s, s * element) for s in sorted(tried)),
         times=tuple(sorted(times.items())),
     )
-    checked = m.counts.lowered_at(m._chunk(k)).compiled()[0]
-    return chosen, checked.total, storable
+    return chosen, m.counts.lowered_at(m._chunk(k)), storable
 
 
 def _timed(

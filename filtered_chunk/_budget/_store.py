@@ -1,8 +1,14 @@
 """The choices of memory budgets, kept on disk so that a later process on the same
 machine reuses them, as JAX's compilation cache reuses compiled programs: a budget
-searched (and timed) once is then the same in every process (`_choose.py`), and a
-later one compiles only the program it runs, to check that its bytes are still those
-stored: a stale or mistaken entry can cost a search, never memory.
+searched (and timed) once is then the same in every process (`_choose.py`). Each
+entry holds the bytes of the program the choice runs, as compiled, and a hash of
+that program as lowered. A later process lowers the program it runs and takes the
+choice where the hash is the same (XLA compiles the same text on the same machine,
+versions and flags, which the entry's name holds, to the same bytes); where it
+differs (another build of this library with the same version, a custom
+derivative's backward pass changed, which the traced program that names the entry
+does not show), it compiles the program and takes the choice where the bytes are
+those stored. A stale or mistaken entry can cost a search, never memory.
 
 The folder is `FILTERED_CHUNK_CACHE_DIR` if set (an empty value turns the store
 off), else `filtered_chunk` in `XDG_CACHE_HOME` (`~/.cache` by default). One small
@@ -19,7 +25,7 @@ import platform
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -28,7 +34,7 @@ from ._values import ChunkSizeChoice
 
 
 ENVIRONMENT = "FILTERED_CHUNK_CACHE_DIR"
-_FORMAT = 2  # entries of format 1 held only a timed size
+_FORMAT = 3  # entries of format 1 held only a timed size; of 2, no hash
 
 
 def directory() -> Path | None:
@@ -134,26 +140,37 @@ def decode(entry: Any) -> ChunkSizeChoice:
     return choice
 
 
-def read(name: str | None) -> tuple[ChunkSizeChoice, int] | None:
-    """The choice stored under `name` and the bytes of its program as compiled,
-    if any (`None` also where the entry is unreadable)."""
+class Program(NamedTuple):
+    """What a stored choice's program was: its bytes as compiled (`Lowered.compiled`),
+    and the hash of its text as lowered (`Lowered.fingerprint`)."""
+
+    bytes: int
+    fingerprint: str
+
+
+def read(name: str | None) -> tuple[ChunkSizeChoice, Program] | None:
+    """The choice stored under `name` and its program, if any (`None` also where
+    the entry is unreadable)."""
     folder = directory()
     if name is None or folder is None:
         return None
     try:
         entry = json.loads((folder / f"{name}.json").read_text())
-        return decode(entry["choice"]), _integer(entry["checked"])
+        fingerprint = entry["fingerprint"]
+        if not isinstance(fingerprint, str):
+            raise ValueError(fingerprint)
+        return decode(entry["choice"]), Program(_integer(entry["bytes"]), fingerprint)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def write(name: str | None, choice: ChunkSizeChoice, checked: int) -> None:
-    """Stores `choice` and the bytes of its program as compiled under `name`
-    (atomically: a reader never sees half)."""
+def write(name: str | None, choice: ChunkSizeChoice, program: Program) -> None:
+    """Stores `choice` and its program under `name` (atomically: a reader never
+    sees half)."""
     folder = directory()
     if name is None or folder is None:
         return
-    entry = {"choice": encode(choice), "checked": checked}
+    entry = {"choice": encode(choice), **program._asdict()}
     temporary = None
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -113,10 +113,12 @@ class MemoryBudget(eqx.Module):
 
     **Stored choices.** Every choice is stored on disk and reused by later
     processes on the same machine for the same program, budget and versions:
-    a later process compiles only the program the choice runs, once, to check
-    that it still needs the bytes stored (where it does not, the budget searches
-    again), so a training script pays the search once, not at every start, and
-    its timed choice does not vary between runs. A timed choice serves
+    a later process traces the program the choice runs and takes the choice
+    where that program is the one stored, compiling nothing (where it is traced
+    otherwise, as after a change to a custom derivative's backward pass, it
+    compiles it once, and searches again where it no longer needs the bytes
+    stored), so a training script pays the search once, not at every start,
+    and its timed choice does not vary between runs. A timed choice serves
     `tune=None` and `tune=True`; an untimed one (the model's, where the bound left
     no time to time two sizes) is timed anew by `tune=True`. The folder is
     `FILTERED_CHUNK_CACHE_DIR` if set (set it to an empty string to store
@@ -292,7 +294,8 @@ class ChunkSizeChoice(eqx.Module):
     - `stored`: whether the choice was read from disk, made by an earlier
         process for the same program, budget and machine (see `MemoryBudget`),
         rather than searched in this one. A stored choice is used only where its
-        program, compiled again, needs the bytes stored.
+        program is still the one stored, or compiled again needs the bytes
+        stored.
     - `keep_boundaries`: what the call runs with as `keep_boundaries`: with
         collectives across chunks, `True` where every pass over the batch keeps
         the per-element values the next resumes from, in buffers that `bytes`
@@ -321,7 +324,8 @@ class ChunkSizeChoice(eqx.Module):
         the programs XLA compiled for it (under reverse mode two for a size
         that fits: its pullback and its linearisation) and the
         seconds from the start of the search (tracing, compiling, timing) to the
-        choice. For a stored choice, the check of its program.
+        choice. For a stored choice, the check of its program (no compilation
+        where it is traced as stored).
 
     !!! example
 
