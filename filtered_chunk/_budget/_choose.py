@@ -107,9 +107,11 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     chosen = call.refine(searched)
     if (chosen.chunk_size, chosen.bytes) != (searched.chunk_size, searched.bytes):
         lowered = call.program(chosen)  # another program, which `refine` measured
+    storing = storable and name is not None and _store.directory() is not None
+    entry = _program(lowered) if storing else None  # counted in the cost
     chosen = dataclasses.replace(chosen, **cost())
-    if storable and name is not None and _store.directory() is not None:
-        _store.write(name, chosen, _program(lowered))
+    if entry is not None:
+        _store.write(name, chosen, entry)
     remember(_chosen, choice_key, chosen)
     return chosen
 
