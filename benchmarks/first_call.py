@@ -13,8 +13,8 @@ the whole lower-and-compile (the step's own compilation included), the budget's
 own `ChunkSizeChoice.compilations` and `.seconds`, and the chunk size, which must
 be the same in every process (the script exits non-zero otherwise, or where a
 later process searched or compiled anything to check the stored choice). Then,
-as a reference, the same step with the chosen size fixed, in as many fresh
-processes as later ones.
+as a reference, the same step with the chosen size fixed (and the stage
+boundaries the budget kept), in as many fresh processes as later ones.
 
 The programs (XLA's default flags):
 
@@ -63,28 +63,31 @@ def _dp_sgd(quick: bool, fixed: int | None) -> tuple[Any, tuple[Any, ...], str]:
 
 
 def _batchnorm(
-    depth: int, quick: bool, fixed: int | None
+    depth: int, quick: bool, fixed: int | None, keep: bool | int | None
 ) -> tuple[Any, tuple[Any, ...], str]:
     import collectives
 
     params, static, x, _, _ = collectives._network("mlp", depth, quick)
     axes: dict[str, Any] = dict(in_axes=(0, None), out_axes=(0, None), axis_name="i")
 
-    def step(chunk_size: Any) -> Any:
+    def step(chunk_size: Any, keep_boundaries: bool | int | None = None) -> Any:
         def loss(_params: Any, _x: jax.Array) -> jax.Array:
             model, state = eqx.combine(_params, static)
             if chunk_size is None:
                 out = eqx.filter_vmap(model, **axes)(_x, state)
             else:
-                out = fc.filter_chunked_vmap(model, chunk_size=chunk_size, **axes)(
-                    _x, state
-                )
+                out = fc.filter_chunked_vmap(
+                    model,
+                    chunk_size=chunk_size,
+                    keep_boundaries=keep_boundaries,
+                    **axes,
+                )(_x, state)
             return jnp.sum(out[0] ** 2)
 
         return jax.jit(jax.grad(loss))
 
     if fixed is not None:
-        return step(fixed), (params, x), ""
+        return step(fixed, keep), (params, x), ""
     if depth == 2:
         budget = "1MiB" if quick else "8MiB"
         size = budget
@@ -95,15 +98,16 @@ def _batchnorm(
     return step(fc.MemoryBudget(size)), (params, x), budget
 
 
-def child(name: str, fixed: int | None) -> dict[str, Any]:
+def child(name: str, fixed: int | None, keep: bool | int | None) -> dict[str, Any]:
     """One process: the program's budget chosen while its step compiles; or
-    (`fixed`) the step at that chunk size, without a budget."""
+    (`fixed`) the step at that chunk size, keeping the stage boundaries the
+    budget kept (`keep`), without a budget."""
     quick = os.environ.get("FIRST_CALL_QUICK") == "1"
     if name == "dp_sgd":
         step, args, budget = _dp_sgd(quick, fixed)
     else:
         depth = 2 if name == "batchnorm_step" else 8
-        step, args, budget = _batchnorm(depth, quick, fixed)
+        step, args, budget = _batchnorm(depth, quick, fixed, keep)
     start = time.perf_counter()
     step.lower(*args).compile()
     seconds = time.perf_counter() - start
@@ -118,6 +122,7 @@ def child(name: str, fixed: int | None) -> dict[str, Any]:
         compilations=choice.compilations,
         choice_seconds=choice.seconds,
         model=choice.model,
+        keep_boundaries=choice.keep_boundaries,
     )
 
 
@@ -140,8 +145,9 @@ def measure(name: str, quick: bool) -> list[dict[str, Any]]:
             return json.loads(out.strip().splitlines()[-1])
 
         runs = [_process() for _ in range(PROCESSES)]
-        fixed = str(runs[0]["chunk_size"])
-        runs[0]["fixed"] = [_process("--fixed", fixed)["seconds"] for _ in runs[1:]]
+        fixed = ["--fixed", str(runs[0]["chunk_size"])]
+        fixed += ["--keep", json.dumps(runs[0]["keep_boundaries"])]
+        runs[0]["fixed"] = [_process(*fixed)["seconds"] for _ in runs[1:]]
     return runs
 
 
@@ -156,7 +162,8 @@ def markdown(results: dict[str, list[dict[str, Any]]], command: str) -> str:
         "searches, the later ones find the choice stored. Seconds: the step's "
         "`jax.jit(...).lower(...).compile()`, its own compilation included; the "
         "budget's share in brackets (`ChunkSizeChoice.seconds`). Fixed: the same "
-        "step with the chosen size given as `chunk_size`, in as many fresh "
+        "step with the chosen size given as `chunk_size` (and the stage "
+        "boundaries the budget kept as `keep_boundaries`), in as many fresh "
         "processes as later ones; the ratio is the later processes' median "
         "seconds over the fixed ones'.",
         "",
@@ -194,10 +201,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small, fast CI mode")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--fixed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--keep", type=json.loads, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help="folder for the table and JSON")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.fixed)))
+        print(json.dumps(child(args.child, args.fixed, args.keep)))
         return 0
     programs = PROGRAMS[:2] if args.quick else PROGRAMS
     results = {name: measure(name, args.quick) for name in programs}
