@@ -164,12 +164,12 @@ def _entry(name: str) -> tuple[fc.ChunkSizeChoice, int] | None:
 
 
 def test_a_stored_choice_is_checked(default, tmp_path):
-    """A stored choice whose program is lowered otherwise now (another version of
-    this library, or of a rule of `fun`'s that its traced program does not
-    show) is taken where that program compiles to the bytes stored (the entry
-    then holds the new hash), and searched again where it does not; so is a
-    choice edited by hand, one for another budget, and a file that is not an
-    entry."""
+    """A stored choice whose program is lowered otherwise now (another build of
+    this library with the same version, or a rule of `fun`'s that its traced
+    program does not show) is taken where that program compiles to the bytes
+    stored (the entry then holds the new hash), and searched again where it
+    does not; so is a choice edited by hand, one for another budget, and a file
+    that is not an entry."""
     budget = _bytes_at(None) // 2
     first = _choose(budget)
     (entry,) = (tmp_path / "choices").glob("*.json")

@@ -169,10 +169,13 @@ def test_a_changed_backward_pass_compiles_once(stored):
     # the entry, but is in the program a choice runs under `jax.grad`. Changed,
     # a later process compiles that program, takes the choice as its bytes are
     # those stored, and stores its new hash; the next compiles nothing.
-    def choose(scale: float) -> fc.ChunkSizeChoice:
+    def grad(scale: float) -> Any:
         budget = fc.MemoryBudget(2**20, tune=False)
         chunked = fc.filter_chunked_vmap(_custom(scale), chunk_size=budget)
-        (choice,) = fc.suggest_chunk_sizes(jax.grad(lambda x: chunked(x).sum()), _XS)
+        return jax.grad(lambda x: chunked(x).sum())
+
+    def choose(scale: float) -> fc.ChunkSizeChoice:
+        (choice,) = fc.suggest_chunk_sizes(grad(scale), _XS)
         _forget()
         return choice
 
@@ -180,5 +183,8 @@ def test_a_changed_backward_pass_compiles_once(stored):
     assert not first.stored and first.chunk_size < 200
     assert (same.stored, same.compilations) == (True, 0) and _same(first, same)
     assert (changed.stored, changed.compilations) == (True, 1)
+    # The choice taken runs the changed backward pass.
+    true = jax.grad(lambda x: jax.vmap(_fun)(x).sum())(_XS)
+    assert jnp.allclose(grad(3.0)(_XS), 3 * true, rtol=1e-5, atol=1e-5)
     assert (again.stored, again.compilations) == (True, 0) and _same(first, again)
     assert len(list(stored.glob("*.json"))) == 1

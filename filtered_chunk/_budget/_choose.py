@@ -108,7 +108,7 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     if (chosen.chunk_size, chosen.bytes) != (searched.chunk_size, searched.bytes):
         lowered = call.program(chosen)  # another program, which `refine` measured
     storing = storable and name is not None and _store.directory() is not None
-    entry = _program(lowered) if storing else None  # counted in the cost
+    entry = _entry(lowered) if storing else None  # counted in the cost
     chosen = dataclasses.replace(chosen, **cost())
     if entry is not None:
         _store.write(name, chosen, entry)
@@ -116,8 +116,11 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     return chosen
 
 
-def _program(lowered: Lowered) -> _store.Program:
-    return _store.Program(lowered.compiled()[0].total, lowered.fingerprint())
+def _entry(lowered: Lowered, fingerprint: str | None = None) -> _store.Program:
+    """What the store holds of `lowered`: its bytes (one compilation) and its hash
+    (`fingerprint`, where already computed)."""
+    fingerprint = lowered.fingerprint() if fingerprint is None else fingerprint
+    return _store.Program(lowered.compiled()[0].total, fingerprint)
 
 
 def _still(
@@ -133,9 +136,10 @@ def _still(
     raises)."""
     try:
         lowered = program(chosen)
-        if lowered.fingerprint() == stored.fingerprint:
+        fingerprint = lowered.fingerprint()
+        if fingerprint == stored.fingerprint:
             return True
-        now = _program(lowered)
+        now = _entry(lowered, fingerprint)
     except Exception:
         return False
     if now.bytes != stored.bytes:

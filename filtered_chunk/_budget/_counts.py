@@ -115,4 +115,4 @@ def program_at(
 ) -> Lowered:
     """`run(k, tree)` lowered as the program that runs (under reverse mode, its
     pullback): the one program a stored choice is checked by."""
-    return _counts_of(run, tree, k).lowered_at(k)
+    return ChunkedProgram(run, tree).lower(k)
