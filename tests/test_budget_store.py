@@ -13,6 +13,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.random as jr
+import numpy as np
 import pytest
 
 import filtered_chunk as fc
@@ -188,3 +189,27 @@ def test_a_changed_backward_pass_compiles_once(stored):
     assert jnp.allclose(grad(3.0)(_XS), 3 * true, rtol=1e-5, atol=1e-5)
     assert (again.stored, again.compilations) == (True, 0) and _same(first, again)
     assert len(list(stored.glob("*.json"))) == 1
+
+
+def test_a_program_that_calls_back_is_stored(stored):
+    # A jaxpr's text masks the addresses of its callbacks' functions, and the
+    # lowered program numbers the callbacks: a later process, whose functions are
+    # new objects, takes the choice without compiling (`jax.debug.print` in
+    # `fun` is common).
+    def choose() -> tuple[fc.ChunkSizeChoice, Any]:
+        def fun(x):
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            y = jax.pure_callback(np.tanh, out, x, vmap_method="sequential")
+            jax.debug.callback(lambda _: None, y[0])
+            return _fun(y)
+
+        budget = fc.MemoryBudget(2**20, tune=False)
+        chunked = fc.filter_chunked_vmap(fun, chunk_size=budget)
+        choice = fc.suggest_chunk_size(chunked, _XS)
+        _forget()
+        return choice, chunked
+
+    (first, chunked), (later, _) = choose(), choose()
+    assert not first.stored and first.chunk_size < 200
+    assert (later.stored, later.compilations) == (True, 0) and _same(first, later)
+    assert tree_allclose(chunked(_XS), jax.vmap(_fun)(jnp.tanh(_XS)))

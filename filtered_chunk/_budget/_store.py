@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -78,9 +79,12 @@ def machine() -> tuple[str, ...]:
 
 def key(parts: Sequence[Any]) -> str | None:
     """The entry's name for `parts` (their `repr`s and the machine's), or `None` when
-    a `repr` holds an object's address, which no later process shares."""
+    a `repr` holds an object's address, which no later process shares (a jaxpr's
+    text masks those of its callbacks, `0xXXXXXXXXXXXX`: a program that calls
+    back to Python is stored, checked by its lowered text, which numbers its
+    callbacks)."""
     text = repr((_FORMAT, *parts, machine()))
-    if " at 0x" in text:
+    if re.search(r"\bat 0x[0-9a-fA-F]+\b", text):
         return None
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
