@@ -4,6 +4,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import pytest
 
@@ -117,6 +118,28 @@ def test_collective_check_traces():
     # axis unbound, when `fun` does not read it.
     assert _count("overlap", _CALLS["jit"], axis_name="i") == 1 + 1
     assert _count("separate", _CALLS["jit"], axis_name="i") == 2 + 1
+
+
+@pytest.mark.parametrize("call", ("eager", "jit", "grad"))
+@pytest.mark.parametrize("remainder", ("overlap", "separate"))
+def test_collectives_trace_fun_twice(call, remainder):
+    # Where `fun` reads the axis: the look with the axis unbound, which stops at
+    # the first collective, then one trace, whatever the remainder, the number
+    # of collectives and the derivative (docs/guide.md).
+    traces = []
+
+    def f(x):
+        traces.append(None)
+        for _ in range(3):
+            x = jnp.sin(x)
+            x = x - lax.pmean(x, "i")
+        return x
+
+    chunked = fc.filter_chunked_vmap(
+        f, chunk_size=3, remainder=remainder, axis_name="i"
+    )
+    _CALLS[call](chunked)
+    assert len(traces) == 2
 
 
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))
