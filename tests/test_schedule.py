@@ -81,13 +81,14 @@ def test_traces_do_not_grow_with_batch_size(remainder):
     assert counts[0] <= 3
 
 
-def _count(remainder, call, **kwargs):
-    """How often `fun` is traced by one call of a chunked map (`call(chunked)`)."""
+def _count(remainder, call, body=jnp.sin, **kwargs):
+    """How often `fun` (`body`, counted) is traced by one call of a chunked map
+    (`call(chunked)`)."""
     traces = []
 
     def f(x):
         traces.append(None)
-        return jnp.sin(x)
+        return body(x)
 
     chunked = fc.filter_chunked_vmap(f, chunk_size=3, remainder=remainder, **kwargs)
     call(chunked)
@@ -126,20 +127,14 @@ def test_collectives_trace_fun_twice(call, remainder):
     # Where `fun` reads the axis: the look with the axis unbound, which stops at
     # the first collective, then one trace, whatever the remainder, the number
     # of collectives and the derivative (docs/guide.md).
-    traces = []
-
-    def f(x):
-        traces.append(None)
+    def normalised(x):
         for _ in range(3):
             x = jnp.sin(x)
             x = x - lax.pmean(x, "i")
         return x
 
-    chunked = fc.filter_chunked_vmap(
-        f, chunk_size=3, remainder=remainder, axis_name="i"
-    )
-    _CALLS[call](chunked)
-    assert len(traces) == 2
+    calls = _count(remainder, _CALLS[call], body=normalised, axis_name="i")
+    assert calls == 2
 
 
 @pytest.mark.parametrize("remainder", ("overlap", "separate"))

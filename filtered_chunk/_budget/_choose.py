@@ -116,11 +116,9 @@ def _choose(call: Budgeted, program: ChunkedProgram, limit: int) -> ChunkSizeCho
     return chosen
 
 
-def _entry(lowered: Lowered, fingerprint: str | None = None) -> _store.Program:
-    """What the store holds of `lowered`: its bytes (one compilation) and its hash
-    (`fingerprint`, where already computed)."""
-    fingerprint = lowered.fingerprint() if fingerprint is None else fingerprint
-    return _store.Program(lowered.compiled()[0].total, fingerprint)
+def _entry(lowered: Lowered) -> _store.Program:
+    """What the store holds of `lowered`: its bytes (one compilation) and its hash."""
+    return _store.Program(lowered.compiled()[0].total, lowered.fingerprint())
 
 
 def _still(
@@ -136,10 +134,9 @@ def _still(
     raises)."""
     try:
         lowered = program(chosen)
-        fingerprint = lowered.fingerprint()
-        if fingerprint == stored.fingerprint:
+        if lowered.fingerprint() == stored.fingerprint:
             return True
-        now = _entry(lowered, fingerprint)
+        now = _entry(lowered)  # the hash, computed once, is the new one
     except Exception:
         return False
     if now.bytes != stored.bytes:

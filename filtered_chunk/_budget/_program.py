@@ -262,6 +262,7 @@ class Lowered:
         self.lowered, self.fed, self._arguments = lowered, fed, arguments
         self._compiled: Any = None
         self._every: Measured | None = None
+        self._fingerprint: str | None = None
         self._counted = False
 
     def _count(self) -> None:
@@ -271,8 +272,12 @@ class Lowered:
 
     def fingerprint(self) -> str:
         """A hash of its text as lowered: on one machine and the same versions and
-        flags (`_store.machine`), XLA compiles the same text to the same bytes."""
-        return hashlib.sha256(self.lowered.as_text().encode()).hexdigest()
+        flags (`_store.machine`), XLA compiles the same text to the same bytes.
+        Computed once."""
+        if self._fingerprint is None:
+            text = self.lowered.as_text().encode()
+            self._fingerprint = hashlib.sha256(text).hexdigest()
+        return self._fingerprint
 
     def compiled(self) -> tuple[Measured, Callable[[], Any]]:
         """Its bytes as XLA counts them for the program that runs, and a run of it
