@@ -273,6 +273,17 @@ def test_timing_needs_room_for_a_copy_of_the_arguments(default, monkeypatch):
     assert not _choose(_bytes_at(None) // 2).stored
 
 
+def test_timing_prng_keys(default):
+    # A typed key's type is not a NumPy one: its bytes come from its own type.
+    keys = jr.split(jr.key(0), _N)
+    noise = lambda key, x: _fun(x + jr.normal(key, x.shape, x.dtype))
+    chunked = fc.filter_chunked_vmap(noise, chunk_size=fc.MemoryBudget(2**20))
+    choice = fc.suggest_chunk_size(chunked, keys, _XS)
+    assert choice.model == "timed" and default
+    expected = jax.vmap(noise)(keys, _XS)
+    assert jnp.allclose(chunked(keys, _XS), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_default_on_an_accelerator_is_the_largest(default, monkeypatch):
     monkeypatch.setattr(model, "backend", lambda: "gpu")
     choice = _choose(_bytes_at(None) // 2)

@@ -142,7 +142,8 @@ def transformed(
 def argument_bytes(s: jax.ShapeDtypeStruct) -> int:
     """The bytes of an argument of type `s` (on each device, if split)."""
     shape = s.shape if s.sharding is None else s.sharding.shard_shape(s.shape)
-    return math.prod(shape) * jnp.dtype(s.dtype).itemsize
+    # `s.dtype`'s own size: a PRNG key's (`key<fry>`) is not a NumPy type.
+    return math.prod(shape) * s.dtype.itemsize
 
 
 @dataclasses.dataclass(frozen=True)
