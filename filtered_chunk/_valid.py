@@ -104,16 +104,25 @@ def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any]:
                 f"{array.dtype}{list(array.shape)}."
             )
         # One type, so that every integer type and weak type shares a program
-        # (and, not traced, without an operation of its own to compile).
+        # (and, not traced, without an operation of its own to compile): first
+        # saturated to that type's range, as the count is clipped, where a
+        # conversion would wrap a count of 2**31 or more around.
+        top = min(np.iinfo(array.dtype).max, np.iinfo(np.int32).max)
         if isinstance(array, Tracer):
+            array = lax.clamp(_scalar(0, array), array, _scalar(top, array))
             return lax.convert_element_type(array, jnp.int32), None
-        return jnp.asarray(array.astype(np.int32)), None
+        return jnp.asarray(np.clip(array, 0, top).astype(np.int32)), None
     if array.ndim != 1 or array.dtype != jnp.bool_:
         raise TypeError(
             f"`{api}(mask=...)` must be a boolean vector, got "
             f"{array.dtype}{list(array.shape)}."
         )
     return None, jnp.asarray(array)
+
+
+def _scalar(value: int, like: Array) -> Array:
+    """`value` as a scalar of `like`'s type."""
+    return lax.full((), value, like.dtype)
 
 
 def _take(

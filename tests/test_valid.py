@@ -140,6 +140,37 @@ def test_count_out_of_range_is_clipped(mlp: eqx.nn.MLP) -> None:
     _check(chunked.valid(100)(mlp, x, 0.5), (mlp, x, 0.5), np.ones(6, bool))
 
 
+@pytest.mark.parametrize(
+    "count, valid",
+    (
+        (2**31, 6),  # a Python int past int32: wrapped around, it was negative
+        (2**40, 6),  # wrapped around to 0
+        (np.int64(2**32 + 3), 6),  # wrapped around to 3
+        (np.uint32(2**32 - 1), 6),
+        (np.uint64(2**63 + 5), 6),
+        (np.int64(-(2**40)), 0),
+        (np.uint8(255), 6),
+        (np.int8(-128), 0),
+        (np.int16(4), 4),
+    ),
+)
+@pytest.mark.parametrize("traced", (False, True))
+def test_count_of_any_integer_type_is_clipped_not_wrapped(
+    mlp: eqx.nn.MLP, count: Any, valid: int, traced: bool
+) -> None:
+    # The count is clipped to `[0, batch size]` in its own type, then converted:
+    # a count past int32's range, converted first, wrapped around.
+    x = _inputs(6)
+    chunked = _chunked(4)
+    run = lambda n: chunked.valid(n)(mlp, x, 0.5)  # noqa: E731
+    if traced:
+        # Traced in its own type (the tests run with 64-bit types on).
+        out = jax.jit(run)(jnp.asarray(count, jnp.asarray(count).dtype))
+    else:
+        out = run(count)
+    _check(out, (mlp, x, 0.5), np.arange(6) < valid)
+
+
 def test_one_compilation_for_every_count_and_mask(mlp: eqx.nn.MLP) -> None:
     x = _inputs(50)
     chunked = _chunked(8)
