@@ -84,7 +84,7 @@ class Restrictable:
                 "`valid` is only available on `filter_chunked_vmap` and "
                 f"`filter_chunked_apply`, not on {what}."
             )
-        count, mask = check_valid(count, mask, fill, api)
+        count, mask, fill = check_valid(count, mask, fill, api)
         return dataclasses.replace(self, _plan=ValidPlan(self._plan, count, mask, fill))
 
 

@@ -79,8 +79,9 @@ class ValidPlan(AbstractPlan):
         return self.inner.finish(out)
 
 
-def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any]:
-    """`count` and `mask` as arrays, or the error for bad ones (before any work)."""
+def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any, Any]:
+    """`count` and `mask` as arrays and `fill` as a Python scalar, or the error
+    for bad ones (before any work)."""
     if (count is None) == (mask is None):
         raise TypeError(f"`{api}` takes exactly one of `count=` and `mask=`.")
     if not isinstance(fill, FILL_TYPES + (np.generic,)):
@@ -88,6 +89,10 @@ def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any]:
             f"`{api}(fill=...)` must be a Python or NumPy scalar, got "
             f"{type(fill).__name__} object {fill!r}."
         )
+    if isinstance(fill, np.generic):
+        # Its value, converted to each output's dtype as it would be: a NumPy
+        # scalar is an array to Equinox, which warns when one is made static.
+        fill = fill.item()
     name, value = ("count", count) if mask is None else ("mask", mask)
     try:
         # Not traced, a NumPy array: converting it is no operation to compile.
@@ -110,14 +115,14 @@ def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any]:
         top = min(np.iinfo(array.dtype).max, np.iinfo(np.int32).max)
         if isinstance(array, Tracer):
             array = lax.clamp(_scalar(0, array), array, _scalar(top, array))
-            return lax.convert_element_type(array, jnp.int32), None
-        return jnp.asarray(np.clip(array, 0, top).astype(np.int32)), None
+            return lax.convert_element_type(array, jnp.int32), None, fill
+        return jnp.asarray(np.clip(array, 0, top).astype(np.int32)), None, fill
     if array.ndim != 1 or array.dtype != jnp.bool_:
         raise TypeError(
             f"`{api}(mask=...)` must be a boolean vector, got "
             f"{array.dtype}{list(array.shape)}."
         )
-    return None, jnp.asarray(array)
+    return None, jnp.asarray(array), fill
 
 
 def _scalar(value: int, like: Array) -> Array:

@@ -126,11 +126,14 @@ def test_mask_against_filter_vmap(
         _check(chunked.valid(mask=jnp.asarray(valid))(*args), (mlp, x, 0.5), valid)
 
 
-def test_fill(mlp: eqx.nn.MLP) -> None:
+@pytest.mark.parametrize("fill", (-1, np.float32(-1.5), np.int8(-1), np.bool_(True)))
+def test_fill(mlp: eqx.nn.MLP, fill: Any) -> None:
+    # A NumPy scalar too (Equinox warned that an array was made static: an error
+    # here), converted to each output's dtype as a Python one is.
     x = _inputs(7)
     valid = np.arange(7) < 3
-    out = _chunked(2).valid(3, fill=-1)(mlp, x, 0.5)
-    _check(out, (mlp, x, 0.5), valid, fill=-1)
+    out = _chunked(2).valid(3, fill=fill)(mlp, x, 0.5)
+    _check(out, (mlp, x, 0.5), valid, fill=fill)
 
 
 def test_count_out_of_range_is_clipped(mlp: eqx.nn.MLP) -> None:
