@@ -114,7 +114,7 @@ def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any, A
         # conversion would wrap a count of 2**31 or more around.
         top = min(np.iinfo(array.dtype).max, np.iinfo(np.int32).max)
         if isinstance(array, Tracer):
-            array = lax.clamp(_scalar(0, array), array, _scalar(top, array))
+            array = jnp.clip(array, 0, top)  # in its own type: both bounds fit
             return lax.convert_element_type(array, jnp.int32), None, fill
         return jnp.asarray(np.clip(array, 0, top).astype(np.int32)), None, fill
     if array.ndim != 1 or array.dtype != jnp.bool_:
@@ -123,11 +123,6 @@ def check_valid(count: Any, mask: Any, fill: Any, api: str) -> tuple[Any, Any, A
             f"{array.dtype}{list(array.shape)}."
         )
     return None, jnp.asarray(array), fill
-
-
-def _scalar(value: int, like: Array) -> Array:
-    """`value` as a scalar of `like`'s type."""
-    return lax.full((), value, like.dtype)
 
 
 def _take(
