@@ -136,12 +136,14 @@ def _run_local(
         return reduced(chunk_fn(batch.mapped, batch.size))
     if batch.check is not None and chunk_size < batch.size:
         batch.check(batch.closed, batch.mapped, chunk_size)
+    leading = batch.leading
     out, _ = run_in_chunks(
         chunk_fn,
         batch.mapped,
         batch.in_axes,
         batch_size=batch.size,
         options=_loop_options(chunk_size, options),
+        leading=None if leading is None else leading(batch.closed, batch.mapped),
     )
     return out
 

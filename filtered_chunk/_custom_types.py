@@ -69,6 +69,23 @@ class Batch(NamedTuple):
     # The rows at the end of the batch that are padding, not elements (a batch
     # padded to a multiple of the devices that split it: `_gate.py`).
     padding: int = 0
+    # Where only the batch's leading rows need computing (a batch gated by a
+    # count: `_gate.py`): what those rows are, from its `closed` and `mapped`
+    # (a device's, inside `shard_map`). The loop evaluates only the steps that
+    # hold them.
+    leading: "Callable[[Any, PyTree[InputArray]], Leading] | None" = None
+
+
+class Leading(NamedTuple):
+    """The rows of a batch that a loop computes (`Batch.leading`): the first
+    `rows` (a traced integer scalar, the same for every element of any `vmap`
+    around the loop: the largest); every other row of a written output holds
+    `fill`, and adds nothing to an accumulated one. Only evaluating skips the
+    steps after them: a derivative runs every step (which must then leave those
+    rows as the loop would)."""
+
+    rows: Any
+    fill: Any
 
 
 class LoopOptions(NamedTuple):

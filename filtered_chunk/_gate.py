@@ -15,9 +15,13 @@ In reverse mode the copies share the first element's cotangent evenly
 derivative is infinite, which `eqx.filter_vmap` on the valid elements never
 computes.
 
-The number of steps is the padded batch's, so every count of the same shapes
-runs one compiled program. A sharded batch that its devices do not divide is
-padded to a multiple of them (`padded`), its padding invalid.
+The valid elements are the batch's first (`Batch.leading`): evaluated, the
+loop stops after the last step that holds one (`_loop/_scan.py`), its outputs'
+other rows holding `fill` from the start. A derivative runs every step (JAX
+transposes no loop of a traced length), each chunk with no valid element
+skipped by the branch above. The loop is the padded batch's, so every count of
+the same shapes runs one compiled program. A sharded batch that its devices do
+not divide is padded to a multiple of them (`padded`), its padding invalid.
 """
 
 import functools as ft
@@ -34,7 +38,7 @@ import numpy as np
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array, PyTree
 
-from ._custom_types import Batch, ChunkOutput, InputArray
+from ._custom_types import Batch, ChunkOutput, InputArray, Leading
 from ._loop._accumulate import lowest
 from ._loop._scan import as_arrays
 from ._mesh import BatchSharding, gathered, on_mesh
@@ -65,7 +69,18 @@ def gated(batch: Batch, count: Any, fill: Any, sharding: BatchSharding | None) -
         sum_match=batch.sum_match,
         check_vma=False,
         padding=size - batch.size,
+        leading=ft.partial(_leading, fill),
     )
+
+
+def _leading(fill: Any, closed: Any, mapped: Any) -> Leading:
+    """The valid rows of a gated batch (a device's shard, inside `shard_map`):
+    its leading ones, since its positions rise. The loop then evaluates only
+    the steps that hold one, under an outer `vmap` the steps of the element
+    with the most."""
+    (_, count), (_, positions) = closed, mapped
+    rows = jnp.sum(positions < count, dtype=positions.dtype)
+    return Leading(_outer_p.bind(rows, kind="max"), fill)
 
 
 def unpadded(
@@ -183,9 +198,10 @@ class _Gated(eqx.Module):
         return shapes._replace(batched=batched, unbatched=unbatched)
 
 
-# A boolean scalar reduced over the elements of every `vmap` around the call
-# (`kind`: `"any"` or `"all"`): not batched, so that a `lax.cond` on it stays one
-# branch, where a batched predicate makes it a select that computes both. A
+# A scalar reduced over the elements of every `vmap` around the call (`kind`:
+# `"any"` or `"all"` of a boolean, `"max"` of a number): not batched, so that a
+# `lax.cond` on it stays one branch, where a batched predicate makes it a select
+# that computes both (and a `lax.while_loop` bounded by it stays one loop). A
 # primitive, not a `custom_vmap`, whose rule would be a new object on every
 # trace: an eager call then finds its compiled program again (`_eager.py`).
 _outer_p = jex.Primitive("reduced_over_outer_maps")
@@ -196,14 +212,14 @@ mlir.register_lowering(_outer_p, lambda ctx, flag, *, kind: [flag])
 
 def _outer_batched(args: Any, dims: Any, *, kind: str) -> tuple[Array, Any]:
     (flag,), (dim,) = args, dims
-    flag = (jnp.any if kind == "any" else jnp.all)(flag, axis=dim)
+    flag = {"any": jnp.any, "all": jnp.all, "max": jnp.max}[kind](flag, axis=dim)
     return _outer_p.bind(flag, kind=kind), None  # not batched
 
 
 def _outer_jvp(primals: Any, tangents: Any, *, kind: str) -> tuple[Array, Any]:
     del tangents
     out = _outer_p.bind(*primals, kind=kind)
-    return out, np.zeros(np.shape(out), jax.dtypes.float0)  # a boolean's tangent
+    return out, np.zeros(np.shape(out), jax.dtypes.float0)  # an integer's tangent
 
 
 batching.primitive_batchers[_outer_p] = _outer_batched

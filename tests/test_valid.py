@@ -14,6 +14,7 @@ import pytest
 import filtered_chunk as fc
 
 from .helpers import count_compiles, remainders
+from .meters import check_one_call, recorder
 
 
 def _fun(mlp: eqx.nn.MLP, x: jax.Array, scale: float) -> Any:
@@ -332,6 +333,38 @@ def test_skipped_chunks_evaluate_nothing() -> None:
         for sign, count, row in zip((1, -1), counts, out):
             expected = jnp.where(jnp.arange(40) < count, sign * x * 2, 0)
             np.testing.assert_array_equal(row, expected)
+
+
+@pytest.mark.parametrize("remainder", ["overlap", "separate"])
+def test_loop_stops_after_the_last_valid_chunk(remainder: Any) -> None:
+    # Evaluated, the steps after the last valid element's do not run at all (a
+    # skipped step is not free: benchmarks/valid.py): the progress meter, told
+    # after each step, hears of the steps that ran, then of the whole batch.
+    meter = recorder()
+    chunked = fc.filter_chunked_vmap(
+        lambda x: x * 2.0, chunk_size=4, remainder=remainder, progress_meter=meter
+    )
+    run = jax.jit(lambda x, n: chunked.valid(n, fill=-1.0)(x))
+    x = jnp.arange(1.0, 39.0)  # 38 elements: 9 whole chunks and 2 left over
+    # The steps that ran, then the report that closes the meter (the last step
+    # of the whole chunks, with `remainder="separate"`).
+    every = list(range(4, 40 if remainder == "overlap" else 36, 4))
+    for count, ran in ((0, [4]), (1, [4]), (4, [4]), (5, [4, 8]), (37, every)):
+        meter.events.clear()
+        out = run(x, count)
+        jax.effects_barrier()
+        assert meter.counts() == [*ran, 38], count
+        check_one_call(meter, "filter_chunked_vmap", 38)
+        np.testing.assert_array_equal(out, jnp.where(jnp.arange(38) < count, x * 2, -1))
+    # Under an outer `vmap`, the steps of the element with the most.
+    outer = jax.jit(jax.vmap(lambda x, n: chunked.valid(n, fill=-1.0)(x)))
+    meter.events.clear()
+    out = outer(jnp.stack([x, -x]), jnp.array([2, 9]))
+    jax.effects_barrier()
+    assert meter.counts()[:3] == [4, 8, 12]
+    for sign, count, row in zip((1, -1), (2, 9), out):
+        expected = jnp.where(jnp.arange(38) < count, sign * x * 2, -1)
+        np.testing.assert_array_equal(row, expected)
 
 
 def test_random_numbers_per_element_do_not_depend_on_chunking() -> None:

@@ -20,23 +20,23 @@ stacked per chunk. To be a custom rule's argument, those arrays are hoisted out 
 the chunk function with `eqx.filter_closure_convert`.
 
 A row that two steps compute (the overlap of the last step with `remainder=
-"overlap"`) gets half its cotangent on each copy, which is exact for any
-transpose that is linear in the cotangent, as JAX's primitives' are. A
-`jax.custom_vjp` backward pass is the user's code and need not be (gradient
-clipping is not): where the chunk function holds one, `run_in_chunks` passes a
-function at the leftover's size (`rest_fn`) and the derivative evaluates only the
-rows that no whole chunk covers, so that every row is computed once, as under
-`jax.vmap` (`tests/test_derivatives.py`, the tests of a `custom_vjp`). The
-evaluated loop keeps its one overlapping step.
+"overlap"`) gets half its cotangent on each copy, which is exact for any transpose
+that is linear in the cotangent, as JAX's primitives' are. A `jax.custom_vjp`
+backward pass is the user's code and need not be (gradient clipping is not):
+where the chunk function holds one, `run_in_chunks` passes a function at the
+leftover's size (`rest_fn`) and the derivative evaluates only the rows that no
+whole chunk covers, so that every row is computed once, as under `jax.vmap`
+(`tests/test_derivatives.py`, the tests of a `custom_vjp`). The evaluated loop
+keeps its one overlapping step, and may stop early (`until`); the derivative
+runs every step, since JAX transposes no loop of a traced length.
 
-An input that the loop *relays* (`Chain.relay`: a stage
-boundary that a later loop reads again) is returned as it is, and its tangent
-rides the scan's carry instead of being split into a stack: each step reads its
-rows, and it leaves the loop as the relayed output's tangent. The transposed loop
-then carries the cotangent that the later loops accumulated and adds each step's
-rows into it in place, so a boundary that `n` loops read has one batch-sized
-cotangent, not `n` that XLA keeps alive to sum after the last
-(`tests/test_collectives_boundaries.py`,
+An input that the loop *relays* (`Chain.relay`: a stage boundary that a later
+loop reads again) is returned as it is, and its tangent rides the scan's carry
+instead of being split into a stack: each step reads its rows, and it leaves
+the loop as the relayed output's tangent. The transposed loop then carries the
+cotangent that the later loops accumulated and adds each step's rows into it in
+place, so a boundary that `n` loops read has one batch-sized cotangent, not `n`
+that XLA keeps alive to sum after the last (`tests/test_collectives_boundaries.py`,
 `test_kept_cotangent_memory_does_not_grow_with_readers`).
 
 A written output that the caller names (`Chain.carried`: a
@@ -124,23 +124,23 @@ def scan_chunks(
     buffers: list[Array],
     unbatched: PyTree[Array],
     rest_fn: ArraysFn | None,
+    until: Int[Array, ""] | None,
     *,
     loop: Schedule,
 ) -> tuple[list[Array], PyTree[Array], list[Array]]:
-    """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
-    into `buffers` with `loop.write`; returns the buffers, the last step's
-    unbatched outputs and the inputs that the loop relays (`loop.relay`:
-    returned as they are, for a later loop to read; see `_run_jvp`).
+    """Runs `fn` on each step's chunk of `inputs` (the first `until` steps, if
+    not `None`), writing its batched outputs into `buffers` with `loop.write`;
+    returns the buffers, the last step's unbatched outputs and the inputs that
+    the loop relays (`loop.relay`: returned as they are, for a later loop).
 
     `fn` holds the arrays it closes over as its PyTree leaves (made by
     `eqx.filter_closure_convert`), so that they are arguments of the custom JVP
     rule and get tangents. `rest_fn`, `fn` at the size of the rows that no whole
     chunk covers, makes the derivative evaluate them apart rather than in an
-    overlapping step (see the module's docstring); pass `None` rather than omit
-    it: `eqx.filter_custom_jvp` fills in no defaults.
-    """
+    overlapping step (see the module's docstring). Pass `None` rather than omit
+    either: `eqx.filter_custom_jvp` fills in no defaults."""
     del rest_fn  # only for the derivative (`_run_jvp`)
-    buffers, unbatched = scan(fn, inputs, buffers, unbatched, loop)
+    buffers, unbatched = scan(fn, inputs, buffers, unbatched, loop, until)
     return buffers, unbatched, relayed(jtu.tree_leaves(inputs), loop.relay)
 
 
@@ -148,8 +148,8 @@ def scan_chunks(
 def _run_jvp(
     primals: tuple[Any, ...], tangents: tuple[Any, ...], *, loop: Schedule
 ) -> tuple[Any, Any]:
-    fn, inputs, buffers, unbatched, rest_fn = primals
-    t_fn, t_inputs, t_buffers, _, t_rest_fn = tangents
+    fn, inputs, buffers, unbatched, rest_fn, _ = primals  # every step, `until` or not
+    t_fn, t_inputs, t_buffers, _, t_rest_fn, _ = tangents
     # The outputs whose tangents ride carries (`_carried`), each from its buffer's
     # tangent (where the buffer has one: see `_carried`) or from zeros.
     into = _carried(buffers, loop)

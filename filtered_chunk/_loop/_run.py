@@ -34,7 +34,7 @@ import jax.tree_util as jtu
 from jaxtyping import Array, PyTree
 
 from .._convolutions import canonical_convolutions
-from .._custom_types import ChunkFn, ChunkOutput, InputArray, LoopOptions
+from .._custom_types import ChunkFn, ChunkOutput, InputArray, Leading, LoopOptions
 from .._jax_compat import without_const_values
 from .._jaxprs import holds_custom_vjp
 from .._reporting import quiet, report_step, reporter
@@ -79,13 +79,17 @@ def _write(
     return out
 
 
-def _buffer(struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: int):
-    """Where an output of `size` rows goes: a buffer, or an empty accumulator."""
+def _buffer(
+    struct: jax.ShapeDtypeStruct, axis: int, which: str | None, size: int, fill: Any = 0
+):
+    """Where an output of `size` rows goes: a buffer (holding `fill` until a
+    step writes a row), or an empty accumulator."""
     if which is not None:
         return identity(which, struct, axis)
     # A weakly typed buffer keeps the weak type that `jax.vmap` keeps (for
     # outputs made of Python scalars); `_write_one` keeps it.
-    return full(struct, struct.shape[:axis] + (size,) + struct.shape[axis + 1 :])
+    shape = struct.shape[:axis] + (size,) + struct.shape[axis + 1 :]
+    return full(struct, shape, fill)
 
 
 def _reuse(
@@ -198,6 +202,7 @@ def run_in_chunks(
     options: LoopOptions,
     loop: str | None = None,
     chain: Chain = Chain(),
+    leading: Leading | None = None,
 ) -> tuple[ChunkOutput, list[Array]]:
     """Evaluates `chunk_fn` over the whole batch in chunks of `options.chunk_size`.
 
@@ -207,7 +212,8 @@ def run_in_chunks(
     reports to the options' progress meter (labelled with their `api`, and
     `loop` if one of several): see `_reporting.py`. Also returns the inputs
     that the loop relays (`chain`: what it shares with the loops before and
-    after it).
+    after it). With `leading`, only the steps that hold the leading rows it
+    names are evaluated (`_scan.py`).
     """
     if options.chunk_size >= batch_size:
         return _one_vmap(chunk_fn, inputs, batch_size, options, loop, chain.relay)
@@ -219,8 +225,10 @@ def run_in_chunks(
     axes, kinds = shapes.batched_axes, shapes.kinds()
     layout = (axes, kinds)
     structs = jtu.tree_leaves(shapes.batched)
+    fill = 0 if leading is None else leading.fill
     buffers = [
-        _buffer(s, a, k, batch_size) for s, a, k in zip(structs, *layout, strict=True)
+        _buffer(s, a, k, batch_size, fill)
+        for s, a, k in zip(structs, *layout, strict=True)
     ]
     buffers = _reuse(buffers, kinds, chain.spares, chain.carried)
     unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
@@ -255,8 +263,9 @@ def run_in_chunks(
         )
 
     whole = _schedule(batch_size, chunk_size, num_steps, found, chain.relay)
+    until = None if leading is None else _steps_for(leading.rows, whole)
     buffers, unbatched, relayed = scan_chunks(
-        fn, inputs, buffers, unbatched, rest_fn, loop=whole
+        fn, inputs, buffers, unbatched, rest_fn, until, loop=whole
     )
     if leftover != 0:
         one = _schedule(leftover, leftover, 1, None)
@@ -264,6 +273,14 @@ def run_in_chunks(
         buffers, unbatched = _separate_rest(rest, buffers, unbatched, one, batch_size)
     batched = jtu.tree_unflatten(jtu.tree_structure(shapes.batched), buffers)
     return shapes._replace(batched=batched, unbatched=unbatched), relayed
+
+
+def _steps_for(rows: Any, loop: Schedule) -> Array:
+    """The number of the loop's steps that hold the first `rows` rows; at least
+    one, which computes the unbatched outputs."""
+    size = loop.chunk_size
+    rows = jnp.asarray(rows).astype(int)
+    return jnp.clip((rows + size - 1) // size, 1, loop.num_steps)
 
 
 def _one_vmap(
@@ -309,7 +326,7 @@ def _separate_rest(
         _buffer(s, a, k, leftover) for s, a, k in zip(structs, *layout, strict=True)
     ]
     rest_buffers, unbatched, _ = scan_chunks(
-        fn, rest, rest_buffers, unbatched, None, loop=one
+        fn, rest, rest_buffers, unbatched, None, None, loop=one
     )
     buffers = [
         _write_one(b, r, a, start) if k is None else combine(k, b, r)

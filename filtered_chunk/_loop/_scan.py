@@ -16,7 +16,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PyTree
+from jaxtyping import Array, Int, PyTree
 
 from .._custom_types import CheckpointSpec, InputArray
 from .._reporting import report_step
@@ -51,13 +51,16 @@ def scan(
     buffers: list[Array],
     unbatched: PyTree[Array],
     loop: Schedule,
+    until: Int[Array, ""] | None = None,
 ) -> tuple[list[Array], PyTree[Array]]:
     """Runs `fn` on each step's chunk of `inputs`, writing its batched outputs
     into `buffers` with `loop.write`; returns the buffers and the last step's
-    unbatched outputs."""
+    unbatched outputs. With `until`, only the first `until` steps run (a
+    `lax.while_loop`; `until` is the same for every element of a `vmap` around
+    it, so that the loop stays one)."""
     last = loop.batch_size - loop.chunk_size
 
-    def _body(carry: tuple[Any, Any, Any], _: None) -> tuple[Any, None]:
+    def _body(carry: tuple[Any, Any, Any], _: None = None) -> tuple[Any, None]:
         # Counting the steps in the carry, rather than reading a start per step
         # from an array, compiles to one kernel fewer (benchmarks/).
         _buffers, _, index = carry
@@ -72,7 +75,18 @@ def scan(
     # The default integer type, as in `loop.starts()`: `checkify` compares the
     # index with shapes of that type, which strict dtype promotion requires.
     init = (buffers, unbatched, jnp.zeros((), int))
-    (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
+    if until is None:
+        (buffers, unbatched, _), _ = lax.scan(_body, init, length=loop.num_steps)
+        return buffers, unbatched
+    buffers, unbatched, _ = lax.while_loop(
+        lambda carry: carry[2] < until, lambda carry: _body(carry)[0], init
+    )
+    if loop.reporter is not None:
+        # The steps skipped count as done: the last report closes the meter.
+        report = lambda: report_step(  # noqa: E731
+            loop.reporter, jnp.asarray(last), loop.chunk_size, (buffers, unbatched)
+        )
+        lax.cond(until < loop.num_steps, report, lambda: None)
     return buffers, unbatched
 
 
