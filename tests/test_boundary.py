@@ -6,6 +6,7 @@ import inspect
 import pathlib
 import traceback
 import typing
+from collections.abc import Iterator
 
 import equinox as eqx
 import jax
@@ -106,6 +107,19 @@ def _calls():
     }
 
 
+@pytest.fixture
+def default_filtering() -> Iterator[None]:
+    """JAX's default traceback filtering, as users have it, whatever the run sets
+    (`.ci/run` turns it off, so that an error inside JAX shows its frames)."""
+    before = getattr(jax.config, "jax_traceback_filtering")
+    jax.config.update("jax_traceback_filtering", "auto")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_traceback_filtering", before)
+
+
+@pytest.mark.usefixtures("default_filtering")
 @pytest.mark.parametrize("call", sorted(_calls()))
 def test_traceback_hides_library_frames(call):
     # Under JAX's default traceback filtering, as a user sees the error.
@@ -118,6 +132,7 @@ def test_traceback_hides_library_frames(call):
     assert any(frame.name == "_shape_bug" for frame in frames)
 
 
+@pytest.mark.usefixtures("default_filtering")
 def test_traceback_no_longer_than_filter_vmap():
     x, w = jnp.ones((8, 3)), jnp.ones((4, 2))
     lengths = {}
