@@ -230,7 +230,8 @@ def run_in_chunks(
         _buffer(s, a, k, batch_size, fill)
         for s, a, k in zip(structs, *layout, strict=True)
     ]
-    buffers = _reuse(buffers, kinds, chain.spares, chain.carried)
+    if leading is None:  # a spare holds no `fill`: only where every row is written
+        buffers = _reuse(buffers, kinds, chain.spares, chain.carried)
     unbatched = jtu.tree_map(lambda s: full(s, s.shape), shapes.unbatched)
 
     # The derivative of an overlapping last step gives each copy of a recomputed
